@@ -1,0 +1,204 @@
+r"""The contract between environments and the rollout collector.
+
+An episode is a conversation. :meth:`Environment.reset` returns the initial messages
+(system prompt, optional few-shot turns, the user question); the policy writes one
+assistant turn (``action_text``, decoded without the end-of-turn token); then
+:meth:`Environment.step` judges it and returns the messages to append (usually one user
+turn carrying the tool result, i.e. the observation, which the collector masks out of
+the loss, §4), a reward, and the ``terminated`` / ``truncated`` flags.
+
+Chat format shared with ``rollout/`` (ChatML, as in SmolLM2)::
+
+    <|im_start|>{role}\n{content}<|im_end|>\n          one message
+    <|im_start|>assistant\n                            the generation prompt
+
+An assistant action ends with the ``<|im_end|>`` token (its EOS).
+
+``StepResult.info`` keys read by the trainer when present:
+
+* ``"success"`` (bool): set on the last step of an episode.
+* ``"cost"`` (float): the constraint cost of this step, :math:`C` in §22.
+* ``"potential"`` (float): :math:`\Phi(s_{t+1})` of the new state, §21; the trainer
+  shapes rewards with ``trajgrad.returns.shape_rewards`` (the environment never adds
+  the shaping term to ``reward`` itself).
+* ``"tool"`` (str) and ``"tool_error"`` (str or None): the tool called at this step.
+* ``"compact"`` (str): a summary of the state; the collector starts a new sub-trace
+  whose context is this summary (compaction-aware sub-traces, §19).
+
+Task sources register under a name with :func:`register_task_source` and are built with
+:func:`get_task_source`.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, runtime_checkable
+
+__all__ = [
+    "Message",
+    "Task",
+    "StepResult",
+    "Environment",
+    "TaskSource",
+    "register_task_source",
+    "get_task_source",
+    "available_task_sources",
+    "extract_tag",
+]
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem instance.
+
+    Attributes:
+      id: unique identifier, e.g. ``"calc-train-000123"``.
+      split: ``"train"`` or ``"heldout"``.
+      prompt: the user question.
+      answer: the ground truth the verifier compares against.
+      metadata: anything else the environment needs (operands, hidden value, ...).
+    """
+
+    id: str
+    split: str
+    prompt: str
+    answer: Any
+    metadata: dict = field(default_factory=dict)
+
+
+class StepResult(NamedTuple):
+    """What :meth:`Environment.step` returns.
+
+    Attributes:
+      messages: messages to append after the assistant action (e.g. one user turn with
+        a tool result); ``[]`` when the episode is over.
+      reward: the reward of this step.
+      terminated: true termination (the answer was given or the task was solved).
+      truncated: cut by the turn limit or the collector; the episode could validly have
+        continued.
+      info: see the module docstring for the keys the trainer reads.
+    """
+
+    messages: List[Message]
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn text environment (one instance per concurrent episode)."""
+
+    name: str
+    max_turns: int
+
+    def reset(self, task: Task) -> List[Message]:
+        """The initial conversation: system prompt, few-shot turns, user question."""
+        ...
+
+    def step(self, action_text: str) -> StepResult:
+        """Judge one decoded assistant reply (without the end-of-turn token)."""
+        ...
+
+    def potential(self) -> float:
+        r"""\Phi of the current state (§21); 0.0 if the environment defines no shaping."""
+        ...
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """A named family of tasks, with its environment and demonstrations."""
+
+    name: str
+
+    def tasks(self, split: str, n: int, seed: int) -> List[Task]:
+        """``n`` tasks of ``split``; deterministic in ``seed``; splits never overlap."""
+        ...
+
+    def make_env(self, **kwargs) -> Environment:
+        """A fresh environment instance (one per concurrent episode)."""
+        ...
+
+    def demonstration(self, task: Task) -> List[Message]:
+        """A correct exchange (assistant turns and tool-result user turns) for SFT."""
+        ...
+
+
+_REGISTRY: Dict[str, Callable[..., TaskSource]] = {}
+# Built-in sources, imported on first lookup so that importing ``base`` stays light.
+_BUILTIN_MODULES: Dict[str, str] = {
+    "calculator": "trajgrad.envs.calculator",
+    "guess": "trajgrad.envs.guess",
+}
+
+
+def register_task_source(name: str) -> Callable[[Callable[..., TaskSource]], Callable[..., TaskSource]]:
+    """Class decorator: register a task source factory under ``name``.
+
+    Usage::
+
+        @register_task_source("calculator")
+        class CalculatorSource: ...
+
+    The decorated callable is called with the keyword arguments of
+    :func:`get_task_source`. Registering a second, different factory under the same
+    name raises ``ValueError``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+
+    def decorator(factory: Callable[..., TaskSource]) -> Callable[..., TaskSource]:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not factory and (
+            getattr(existing, "__qualname__", None) != getattr(factory, "__qualname__", None)
+            or getattr(existing, "__module__", None) != getattr(factory, "__module__", None)
+        ):
+            raise ValueError(f"name: a task source named {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def _load_builtin(name: str) -> None:
+    module = _BUILTIN_MODULES.get(name)
+    if module is not None and name not in _REGISTRY:
+        importlib.import_module(module)
+
+
+def available_task_sources() -> List[str]:
+    """Names accepted by :func:`get_task_source` (built-ins included)."""
+    for builtin in _BUILTIN_MODULES:
+        try:
+            _load_builtin(builtin)
+        except ImportError:  # pragma: no cover - a built-in that fails to import
+            pass
+    return sorted(_REGISTRY)
+
+
+def get_task_source(name: str, **kwargs) -> TaskSource:
+    """Build the task source registered under ``name`` (``"calculator"``, ``"guess"``, ...).
+
+    Keyword arguments go to the source's constructor (e.g. ``max_value=...``) and, for
+    the built-ins, become the defaults of the environments made by ``make_env``.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a string, got {type(name).__name__}")
+    _load_builtin(name)
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"name: unknown task source {name!r}; available: {available_task_sources()}")
+    return factory(**kwargs)
+
+
+def extract_tag(text: str, tag: str) -> Optional[str]:
+    """The stripped content of the first ``<tag>...</tag>`` in ``text``, or None.
+
+    Matching is case-sensitive and non-greedy; an unclosed tag gives None.
+    """
+    match = re.search(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+    return None if match is None else match.group(1).strip()

@@ -1,0 +1,51 @@
+r"""Policy, preference, KL and value losses (spec §2–§22).
+
+Every ``*_loss`` takes per-token ``[B, L]`` tensors aligned with the targets, a 0/1
+action mask, detaches its evidence (advantages, old/rollout/reference log-probs,
+returns), zeroes masked slots before any nonlinear operation, aggregates with an
+explicit ``aggregation=`` (and optional global ``denominator=``), and returns
+``LossResult(loss, metrics)``.
+
+* ``reinforce_loss`` (§2, §4): :math:`-A\ell`; default ``token_mean``.
+* ``ppo_clip_loss`` (§8): :math:`-\min(\rho A,\operatorname{clip}(\rho)A)`, optional
+  dual clip; default ``token_mean``.
+* ``gspo_loss`` (§17): :math:`-\min(s_iA_i,\operatorname{clip}(s_i)A_i)` on the
+  geometric-mean sequence ratio; default ``seq_mean_token_mean``.
+* ``gspo_token_loss`` (§17): the same with :math:`s_{i,t}=\mathrm{sg}[s_i]\,
+  \pi_\theta/\mathrm{sg}[\pi_\theta]` and per-token advantages; default
+  ``seq_mean_token_mean``.
+* ``sapo_loss`` (§18): :math:`-\frac4\tau\sigma(\tau(r-1))A`; default
+  ``seq_mean_token_mean``.
+* ``sao_dis_loss`` (§20.2): :math:`-f(r)A\ell`, :math:`f` rejecting both tails; default
+  ``token_mean``.
+* ``dpo_loss`` (§10): :math:`-\log\sigma(\hat r_w-\hat r_l)`, mean over pairs.
+* ``value_loss`` (§20.3): :math:`\frac12(V-R)^2`, optionally clipped; default
+  ``token_mean``.
+* ``kl_estimate`` (k1/k2/k3) and ``exact_kl`` (§9, §14); ``LagrangeMultiplier`` (§22).
+"""
+from ..types import LossResult
+from .dpo import dpo_loss, sequence_logp
+from .gspo import gspo_loss, gspo_token_loss
+from .kl import exact_kl, kl_estimate
+from .lagrange import LagrangeMultiplier
+from .ppo import ppo_clip_loss
+from .reinforce import reinforce_loss
+from .sao import sao_dis_loss
+from .sapo import sapo_loss
+from .value import value_loss
+
+__all__ = [
+    "LossResult",
+    "reinforce_loss",
+    "ppo_clip_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "sapo_loss",
+    "sao_dis_loss",
+    "dpo_loss",
+    "sequence_logp",
+    "kl_estimate",
+    "exact_kl",
+    "value_loss",
+    "LagrangeMultiplier",
+]

@@ -1,0 +1,168 @@
+r"""GSPO and GSPO-token: clipping a length-normalized sequence ratio (spec §17).
+
+Zheng et al., 2025, "Group Sequence Policy Optimization". The sequence ratio is the
+geometric mean of the token ratios,
+:math:`s_i=\exp[\frac1{L_i}\sum_t(\ell^\theta_{i,t}-\ell^{old}_{i,t})]`
+(:func:`trajgrad.ratios.gspo_sequence_ratio`), *not* the full-sequence density ratio.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _checks
+from ..aggregate import aggregate
+from ..diagnostics import policy_metrics
+from ..ratios import gspo_log_sequence_ratio
+from ..types import LossResult
+from .ppo import _clip_bounds, _clipped_surrogate
+from .reinforce import _prepare
+
+
+def _sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` advantage of each sequence from a sanitized ``[B, L]`` tensor.
+
+    Raises unless the advantage is constant over each sequence's valid tokens.
+    """
+    first = mask.to(torch.int8).argmax(-1)  # index of the first valid token (0 if none)
+    seq = adv.gather(1, first[:, None]).squeeze(1)
+    if _checks.values_checked():
+        dev = torch.where(mask, (adv - seq[:, None]).abs(), torch.zeros_like(adv))
+        tol = 1e-6 * (1.0 + seq.abs())
+        if bool((dev.amax(-1) > tol).any()):
+            raise ValueError(
+                "advantages: GSPO needs one advantage per sequence ([B], or [B, L] constant over "
+                "each sequence's valid tokens); use gspo_token_loss for per-token advantages"
+            )
+    return seq
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "seq_mean_token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""GSPO loss: PPO clipping applied to the sequence ratio :math:`s_i` (§17).
+
+    .. math::
+        J_i = \min\big(s_i\hat A_i,\ \operatorname{clip}(s_i,1-\epsilon_l,1+\epsilon_h)
+        \hat A_i\big),\qquad
+        J_{\mathrm{GSPO}} = \frac1G\sum_i J_i,\qquad \mathcal L=-J.
+
+    Away from clipping (:math:`\nabla s_i = \frac{s_i}{L_i}\sum_t\nabla\ell^\theta_{i,t}`)
+
+    .. math::
+        \nabla_\theta J_i = \frac{s_i\hat A_i}{L_i}\sum_t\nabla_\theta\ell^\theta_{i,t}:
+
+    every action token of response :math:`i` gets the same scalar weight. When
+    :math:`s_i` is clipped (by the sign of :math:`\hat A_i`, as in §8), the whole response
+    gets zero gradient.
+
+    Implementation: the per-token term is :math:`-J_i` at every valid token of sequence
+    :math:`i`, so the default ``"seq_mean_token_mean"`` returns exactly
+    :math:`-\frac1G\sum_i J_i` (:math:`G` = number of non-empty sequences), and the other
+    aggregations weigh :math:`J_i` by its token count etc.
+
+    Args:
+      logp: ``[B, L]`` current log-probs (attached; gradient through :math:`s_i`).
+      old_logp: ``[B, L]`` behaviour log-probs (detached here).
+      advantages: ``[B]``, or ``[B, L]`` constant over each sequence's valid tokens
+        (detached here); anything else raises ``ValueError`` (use
+        :func:`gspo_token_loss`).
+      mask: ``[B, L]`` action mask.
+      eps_low, eps_high: clip range on :math:`s_i`; defaults ``3e-4`` / ``4e-4`` are the
+        GSPO paper's (tiny, because :math:`s_i` is a per-token geometric mean).
+      aggregation: default ``"seq_mean_token_mean"`` (the paper's :math:`\frac1G\sum_i`).
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` computed
+      on the *sequences* (one entry per non-empty sequence: ``log_ratio/*`` are quantiles
+      of :math:`\log s_i`, ``clip_frac/*`` fractions of sequences), with ``sequences``
+      (non-empty count) and ``tokens`` (valid tokens).
+    """
+    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    seq_adv = _sequence_advantages(x.advantages, x.mask)
+    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask)  # [B], attached
+    nonempty = x.mask.any(-1)
+    seq_adv = torch.where(nonempty, seq_adv, torch.zeros_like(seq_adv))
+    j, _ = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)
+    term = (-j)[:, None].expand(x.mask.shape)
+    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
+    metrics = policy_metrics(
+        log_s.detach()[:, None], seq_adv[:, None], nonempty[:, None], eps_low=eps_low, eps_high=eps_high
+    )
+    metrics["sequences"] = metrics.pop("tokens")
+    metrics["tokens"] = x.mask.sum().to(metrics["sequences"].dtype)
+    return LossResult(loss, metrics)
+
+
+def gspo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "seq_mean_token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""GSPO-token loss: per-token advantages on the GSPO ratio via a gradient carrier (§17).
+
+    .. math::
+        s_{i,t}=\mathrm{sg}[s_i]\,\frac{\pi_\theta(y_{i,t}\mid\cdot)}
+        {\mathrm{sg}[\pi_\theta(y_{i,t}\mid\cdot)]},\qquad
+        J = \frac1G\sum_i\frac1{L_i}\sum_t\min\big(s_{i,t}\hat A_{i,t},
+        \operatorname{clip}(s_{i,t},1-\epsilon_l,1+\epsilon_h)\hat A_{i,t}\big).
+
+    Numerically :math:`s_{i,t}=s_i` (so clipping decisions are per sequence and
+    advantage sign), but :math:`\nabla s_{i,t}=s_i\nabla\ell^\theta_{i,t}`: away from
+    clipping, token :math:`t` contributes :math:`\frac{1}{L_i}s_i\hat A_{i,t}
+    \nabla\ell^\theta_{i,t}`. With :math:`\hat A_{i,t}=\hat A_i` this is exactly the
+    :func:`gspo_loss` gradient; with distinct turn/token advantages each log-prob
+    gradient is weighted locally.
+
+    The stop-gradient on :math:`s_i` is essential and invisible in forward values: an
+    attached :math:`s_i` times the carrier prints the same ratios but adds
+    :math:`\frac{1}{L_i}\sum_t\hat A_{i,t}\cdot\frac{s_i}{L_i}\sum_{t'}\nabla\ell_{i,t'}`
+    cross terms (§17, "matching forward values is insufficient").
+
+    The ratio is formed in log space, :math:`\log s_{i,t}=\mathrm{sg}[\log s_i]+
+    (\ell^\theta_{i,t}-\mathrm{sg}[\ell^\theta_{i,t}])`, whose exponential equals
+    :func:`trajgrad.ratios.gspo_token_ratio` in value and gradient.
+
+    Args:
+      logp, old_logp, mask: as in :func:`gspo_loss`.
+      advantages: ``[B, L]`` per token or ``[B]`` (detached here).
+      eps_low, eps_high: GSPO paper defaults ``3e-4`` / ``4e-4``.
+      aggregation: default ``"seq_mean_token_mean"`` (the paper's token average inside
+        each response, then the mean over responses).
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` on the
+      per-token ratio :math:`s_{i,t}` and per-token advantages (token fractions).
+    """
+    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask).detach()
+    carrier_log = x.logp - x.logp.detach()  # value 0, gradient d logp
+    log_ratio = _checks.fill_masked(log_s[:, None] + carrier_log, x.mask)
+    surrogate, _ = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
+    loss = aggregate(-surrogate, x.mask, aggregation, constant=constant, denominator=denominator)
+    metrics = policy_metrics(log_ratio.detach(), x.advantages, x.mask, eps_low=eps_low, eps_high=eps_high)
+    return LossResult(loss, metrics)
+
+
+__all__ = ["gspo_loss", "gspo_token_loss"]

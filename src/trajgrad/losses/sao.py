@@ -1,0 +1,123 @@
+r"""SAO's Direct double-sided Importance Sampling (DIS) policy loss (spec §20.2).
+
+Hou et al., "Single-Rollout Asynchronous Optimization for Agentic Reinforcement
+Learning". The ratio is taken directly against the rollout engine's recorded
+log-probabilities (no intermediate old-policy checkpoint), and tokens whose ratio falls
+outside a wide trust interval are *rejected* (weight 0), not clipped to the boundary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _checks
+from ..aggregate import aggregate
+from ..diagnostics import policy_metrics
+from ..types import LossResult
+from .ppo import _clip_bounds
+from .reinforce import _prepare
+
+RATIO_GRADIENTS = ("detached", "attached")
+
+
+def sao_dis_loss(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.3,
+    eps_high: float = 5.0,
+    ratio_gradient: str = "detached",
+    aggregation: str = "token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""SAO DIS loss: double-sided trust *rejection* with a direct rollout ratio (§20.2).
+
+    .. math::
+        r_t=\exp(\ell^\theta_t-\ell^{rollout}_t),\qquad
+        f(r_t)=\begin{cases}r_t,&1-\epsilon_l<r_t<1+\epsilon_h\\0,&\text{otherwise}
+        \end{cases},\qquad
+        \mathcal L=-\operatorname{agg}_t\big[f(r_t)\,\hat A_t\,\ell^\theta_t\big].
+
+    The inequalities are strict, as in the paper: a token exactly on a boundary is
+    rejected (weight 0, gradient 0). Rejection happens on *both* tails, unlike PPO,
+    which saturates only one side per advantage sign:
+
+    ==========================  =============  =============  ===========
+    condition                   PPO, A>0       PPO, A<0       SAO DIS
+    ==========================  =============  =============  ===========
+    :math:`r<1-\epsilon_l`      active         saturated      zero
+    inside                      active         active         active
+    :math:`r>1+\epsilon_h`      saturated      active         zero
+    ==========================  =============  =============  ===========
+
+    **Source-level ambiguity, made explicit by** ``ratio_gradient``. The paper prints the
+    objective :math:`f(r)\hat A\log\pi_\theta` without a stop-gradient operator:
+
+    * ``"detached"`` (default, the conventional importance-weighted policy gradient and
+      the spec's minimal code): :math:`\mathrm{sg}[f(r)]\hat A\ell^\theta`, whose gradient
+      inside the interval is
+
+      .. math:: \nabla = \hat A\,r\,\nabla_\theta\ell^\theta.
+
+    * ``"attached"`` (the printed equation read literally): :math:`f(r)` stays in the
+      graph, :math:`\nabla(r\hat A\ell^\theta)=\hat A(r\nabla\ell^\theta+\ell^\theta
+      r\nabla\ell^\theta)`, i.e.
+
+      .. math:: \nabla = \hat A\,r\,(1+\ell^\theta)\,\nabla_\theta\ell^\theta,
+
+      which is *not* the importance-weighted policy gradient (the factor
+      :math:`1+\ell^\theta` changes sign at :math:`\pi_\theta=e^{-1}`).
+
+    Outside the interval both give exactly 0. The trust test is made on the log ratio,
+    :math:`\log(1-\epsilon_l)<z<\log(1+\epsilon_h)`.
+
+    Args:
+      logp: ``[B, L]`` current log-probs (attached).
+      rollout_logp: ``[B, L]`` log-probs recorded by the rollout engine for the sampled
+        tokens, under the distribution that actually sampled them (detached here).
+      advantages: ``[B, L]`` or ``[B]`` (detached here; SAO uses critic/GAE advantages).
+      mask: ``[B, L]`` action mask.
+      eps_low: :math:`\epsilon_l\in(0,1]`; eps_high: :math:`\epsilon_h>0`. Defaults
+        0.3 / 5.0 are the paper's reasoning setting (coding: 0.8 / 3.0); these wide
+        intervals are not PPO clip values.
+      ratio_gradient: ``"detached"`` or ``"attached"`` (see above).
+      aggregation: default ``"token_mean"`` (the spec's minimal code divides by
+        ``action_mask.sum()``; SAO trains token-level with a critic).
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` (ratio
+      statistics, ``kl/*`` of :math:`\mathrm{KL}(\pi_{rollout}\Vert\pi_\theta)`) plus
+      ``trust/accepted``, ``trust/rejected_low`` (:math:`r\le1-\epsilon_l`),
+      ``trust/rejected_high`` (:math:`r\ge1+\epsilon_h`), fractions of valid tokens.
+    """
+    x = _prepare(
+        logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
+    )
+    _checks.check_choice("ratio_gradient", ratio_gradient, RATIO_GRADIENTS)
+    eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    log_ratio = _checks.fill_masked(x.logp - x.behaviour, x.mask)
+    z = log_ratio.detach()
+    trusted = (z > lo_b) & (z < hi_b) & x.mask
+    # The ratio is formed only where trusted (elsewhere its weight is 0 by selection).
+    ratio = torch.exp(torch.where(trusted, log_ratio, torch.zeros_like(log_ratio)))
+    weight = torch.where(trusted, ratio, torch.zeros_like(ratio))
+    if ratio_gradient == "detached":
+        weight = weight.detach()
+    term = -weight * x.advantages * x.logp
+    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
+    metrics = policy_metrics(z, x.advantages, x.mask)
+    with torch.no_grad():
+        dt = metrics["tokens"].dtype
+        n = x.mask.sum().clamp_min(1).to(dt)
+        metrics["trust/accepted"] = trusted.sum().to(dt) / n
+        metrics["trust/rejected_low"] = (x.mask & (z <= lo_b)).sum().to(dt) / n
+        metrics["trust/rejected_high"] = (x.mask & (z >= hi_b)).sum().to(dt) / n
+    return LossResult(loss, metrics)
+
+
+__all__ = ["sao_dis_loss", "RATIO_GRADIENTS"]

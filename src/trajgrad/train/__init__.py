@@ -1,0 +1,1 @@
+"""Training loops, critic, checkpoints and logging (imports the core, never the reverse)."""

@@ -1,0 +1,277 @@
+"""Training configuration: YAML validated with pydantic, presets, ``--set key=value`` overrides.
+
+An unknown key or a bad value raises ``ValueError`` naming the dotted key
+(``train.stpes: unknown key``). The recipe section names one of
+``trajgrad.objective.RECIPES``; ``recipe.overrides`` changes any of its fields, and
+``trajgrad explain CONFIG.yaml`` prints the resulting estimator.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..objective import Objective, get_recipe
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Strict):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: List[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class TinyModelConfig(_Strict):
+    hidden_size: int = Field(96, ge=8)
+    layers: int = Field(2, ge=1)
+    heads: int = Field(4, ge=1)
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    name: Literal["smollm2", "tiny"] = "smollm2"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    lora: Optional[LoraConfig] = LoraConfig()
+    tiny: TinyModelConfig = TinyModelConfig()
+    gradient_checkpointing: bool = False
+
+
+class TaskConfig(_Strict):
+    name: str = "calculator"
+    options: Dict[str, Any] = {}
+    n_train: int = Field(4000, ge=1)
+    n_heldout: int = Field(64, ge=1)
+    seed: int = 0
+    shaping: bool = False
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    top_k: Optional[int] = Field(None, ge=1)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    max_new_tokens: int = Field(48, ge=1)
+
+
+class RecipeConfig(_Strict):
+    name: str = "grpo"
+    overrides: Dict[str, Any] = {}
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+    betas: List[float] = [0.9, 0.999]
+
+
+class LoopConfig(_Strict):
+    steps: int = Field(30, ge=0)
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: Optional[int] = Field(None, ge=1, description="rollouts per prompt; None = the recipe's")
+    micro_batch_size: int = Field(8, ge=1)
+    epochs_per_batch: int = Field(1, ge=1)
+    seed: int = 0
+    old_logp: Literal["recompute", "behaviour"] = "recompute"
+    dynamic_sampling_max_tries: int = Field(3, ge=1)
+
+
+class SFTConfig(_Strict):
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class EvalConfig(_Strict):
+    every: int = Field(10, ge=0)
+    n: Optional[int] = Field(None, ge=1, description="held-out tasks to evaluate; None = task.n_heldout")
+    temperature: float = Field(0.0, ge=0)
+    before: bool = True
+    after: bool = True
+
+
+class CriticConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    updates: Optional[int] = Field(None, ge=1, description="critic updates per actor update; None = the recipe's")
+    warmup_steps: int = Field(0, ge=0)
+
+
+class ConstraintConfig(_Strict):
+    enabled: bool = False
+    budget: float = 0.0
+    lr: float = Field(0.05, gt=0)
+    init: float = Field(0.0, ge=0)
+
+
+class TeacherConfig(_Strict):
+    name: Literal["smollm2", "tiny", "sft"] = "sft"
+    tiny: TinyModelConfig = TinyModelConfig(seed=1)
+
+
+class DPOConfig(_Strict):
+    pairs: int = Field(64, ge=1)
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(10, ge=0)
+    keep: int = Field(2, ge=1)
+
+
+class LogConfig(_Strict):
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class Config(_Strict):
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    recipe: RecipeConfig = RecipeConfig()
+    optim: OptimConfig = OptimConfig()
+    train: LoopConfig = LoopConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
+    critic: CriticConfig = CriticConfig()
+    constraint: ConstraintConfig = ConstraintConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    dpo: DPOConfig = DPOConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_known(cls, v: RecipeConfig) -> RecipeConfig:
+        get_recipe(v.name, **v.overrides)  # raises ValueError naming the field
+        return v
+
+    def objective(self) -> Objective:
+        """The recipe with the config's overrides (group size from ``train.group_size``)."""
+        overrides = dict(self.recipe.overrides)
+        if self.train.group_size is not None:
+            overrides["group_size"] = self.train.group_size
+        obj = get_recipe(self.recipe.name, **overrides)
+        if obj.aggregation == "seq_sum_constant" and "constant" not in self.recipe.overrides:
+            # Dr. GRPO's constant: the generation budget of one episode.
+            obj = obj.replace(constant=float(self.sampling.max_new_tokens * _max_turns_hint(self)))
+        return obj
+
+
+def _max_turns_hint(cfg: Config) -> int:
+    return int(cfg.task.options.get("max_turns", 4))
+
+
+# ---------------------------------------------------------------------- presets
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # The main job: SmolLM2-135M-Instruct + LoRA learns to use a calculator tool, GRPO.
+    "default": {
+        "name": "smollm2-calculator-grpo",
+        "model": {"name": "smollm2", "dtype": "bfloat16", "lora": {"r": 8, "alpha": 16}},
+        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64, "options": {"max_turns": 3}},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 40},
+        "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
+        "optim": {"lr": 5e-4},
+        "train": {"steps": 24, "prompts_per_step": 8, "group_size": 4, "micro_batch_size": 8},
+        "eval": {"every": 0, "temperature": 0.0},
+        "checkpoint": {"every": 4},
+    },
+    # A randomly initialized small model: SFT warm start, then GRPO. Minutes on a CPU.
+    "tiny": {
+        "name": "tiny-calculator-grpo",
+        "model": {"name": "tiny", "dtype": "float32", "lora": None},
+        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
+                 "options": {"few_shot": False, "max_turns": 3}},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 24},
+        "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
+        "optim": {"lr": 3e-4},
+        "train": {"steps": 20, "prompts_per_step": 16, "group_size": 4, "micro_batch_size": 64},
+        "sft": {"steps": 150, "batch_size": 32, "lr": 3e-3},
+        "eval": {"every": 0, "temperature": 0.0},
+        "checkpoint": {"every": 10},
+        "log": {"tensorboard": False},
+    },
+}
+
+
+def _deep_update(base: Dict[str, Any], upd: Dict[str, Any]) -> Dict[str, Any]:
+    for k, v in upd.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in ("options", "overrides"):
+            _deep_update(base[k], v)
+        elif isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    return base
+
+
+def _set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        if p not in cur or not isinstance(cur[p], dict):
+            cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+
+
+def _format_error(exc: ValidationError) -> str:
+    msgs = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            msgs.append(f"{loc}: unknown key")
+        else:
+            msgs.append(f"{loc}: {err.get('msg')}")
+    return "; ".join(msgs)
+
+
+def build_config(data: Dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(_format_error(exc)) from None
+
+
+def load_config(
+    path: Optional[Path | str] = None,
+    *,
+    preset: Optional[str] = None,
+    overrides: Optional[Dict[str, Any]] = None,
+) -> Config:
+    """Preset (``default`` when neither a path nor a preset is given) ← YAML file ← overrides."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)}")
+    data: Dict[str, Any] = {}
+    if preset is not None or path is None:
+        data = copy.deepcopy(PRESETS[preset or "default"])
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config: no such file {str(p)!r}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config: invalid YAML in {p}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config: top level of {p} must be a mapping")
+        if "preset" in loaded:
+            base = loaded.pop("preset")
+            if base not in PRESETS:
+                raise ValueError(f"preset: unknown {base!r}; known: {', '.join(PRESETS)}")
+            data = _deep_update(copy.deepcopy(PRESETS[base]), data)
+        data = _deep_update(data, loaded)
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    return build_config(data)
+
+
+def register_preset(name: str, data: Dict[str, Any]) -> None:
+    """Add a preset (validated now, so a broken preset fails at import, not at run time)."""
+    build_config(copy.deepcopy(data))
+    PRESETS[name] = data

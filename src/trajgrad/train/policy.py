@@ -1,0 +1,104 @@
+"""The learner's view of a causal LM: token log-probs, entropy and values from hidden states.
+
+Log-probs are computed from the final hidden states with
+:func:`trajgrad.fused.fused_token_logprobs` (chunked, recomputed in backward), so the
+``[B, L, V]`` logits of a batch are never held. The head runs in float32 even when the
+backbone is bfloat16: log-probs feed exponentials (ratios), where bf16 rounding alone moves a
+ratio by ~1%. When the sampler truncated the distribution (top-k / top-p), the learner uses
+:func:`trajgrad.logprobs.token_logprobs` with the same transform on the valid positions
+only (§7: the denominator must be the distribution that sampled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import logprobs as lp
+from ..fused import fused_entropy, fused_token_logprobs
+
+
+def causal_parts(model: nn.Module):
+    """(backbone, lm_head) of a Hugging Face causal LM, peft-wrapped or not."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(causal, "model", None)
+    head = getattr(causal, "lm_head", None)
+    if backbone is None or head is None:
+        raise ValueError("model: expected a Hugging Face causal LM with .model and .lm_head")
+    return backbone, head
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only attended tokens (left or right padding alike)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp_min(0)
+
+
+@dataclass
+class LearnerOutput:
+    logp: torch.Tensor  # [B, T-1] (0 at masked positions)
+    hidden: Optional[torch.Tensor]  # [B, T-1, H] detached float32 (for the value head), if requested
+    entropy: Optional[torch.Tensor]  # [B, T-1] (no grad), if requested
+
+
+class ValueHead(nn.Module):
+    """Token-wise critic V(h_t) on the policy backbone's hidden states (detached input).
+
+    ``values[b, j]`` is the value of the prefix that predicts target ``j`` (aligned with the
+    targets, like every per-token tensor). The input is detached so that critic updates
+    never move the policy; K critic updates per actor update (§20.3) reuse the cached
+    hidden states.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden.detach().float()).squeeze(-1)
+
+
+def learner_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    want_hidden: bool = False,
+    want_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> LearnerOutput:
+    """Log-probs of ``input_ids[:, 1:]`` under ``model`` (§4 alignment), masked by ``action_mask``."""
+    backbone, head = causal_parts(model)
+    pos = position_ids_from_mask(attention_mask)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    hidden = out.last_hidden_state[:, :-1]
+    targets = input_ids[:, 1:]
+    mask = action_mask.bool()
+    weight = head.weight.float()
+    bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+    h32 = hidden.float()
+    t = max(float(temperature), 1e-8) if temperature and temperature > 0 else 1.0
+    if top_k is None and (top_p is None or top_p >= 1.0):
+        logp = fused_token_logprobs(h32, weight, targets, bias=bias, temperature=t, chunk_size=chunk_size, mask=mask)
+    else:
+        idx = mask.nonzero(as_tuple=True)
+        rows = h32[idx]  # [N, H]
+        logits = rows @ weight.T
+        if bias is not None:
+            logits = logits + bias
+        sel = lp.token_logprobs(logits[None], targets[idx][None], temperature=t, top_k=top_k, top_p=top_p)[0]
+        logp = torch.zeros_like(targets, dtype=sel.dtype).index_put(idx, sel)
+    ent = None
+    if want_entropy:
+        with torch.no_grad():
+            ent = fused_entropy(h32.detach(), weight.detach(), bias=None if bias is None else bias.detach(),
+                                temperature=t, chunk_size=chunk_size, mask=mask)
+    return LearnerOutput(logp=logp, hidden=h32.detach() if want_hidden else None, entropy=ent)

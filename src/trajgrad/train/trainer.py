@@ -1,0 +1,576 @@
+r"""The group-synchronous trainer: one loop for every recipe of ``trajgrad.objective.RECIPES``.
+
+One optimizer step:
+
+1. reseed from ``(seed, step)`` (a resumed run samples exactly what the killed run would
+   have), take the next prompts from the data cursor;
+2. sample ``group_size`` multi-turn episodes per prompt with the in-process sampler, which
+   records each action token's log-prob under the exact sampling distribution (§7) and the
+   policy version (§16); dynamic sampling (DAPO) resamples zero-variance groups and logs
+   every discarded group with its token cost (§11);
+3. append the trajectories to ``trajectories.jsonl`` (fsync'd);
+4. rewards: per-turn rewards, optional potential shaping through
+   :func:`trajgrad.returns.shape_rewards` (§21), optional Lagrangian cost penalty
+   (:class:`trajgrad.losses.LagrangeMultiplier`, §22), optional per-token KL in the reward
+   (:meth:`Objective.kl_in_reward`, §9);
+5. advantages: group estimators through :meth:`Objective.sequence_advantages`, critic
+   recipes through :meth:`Objective.token_advantages` (skip-observation GAE, §20.4);
+6. the policy loss through :meth:`Objective.policy_loss` on micro-batches with one global
+   denominator from :class:`trajgrad.aggregate.Normalizer` (§13): the gradient of the step
+   equals the gradient of the whole batch's loss.
+
+No estimator is implemented here: every formula lives in the core and is called.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import returns as returns_lib
+from ..aggregate import Normalizer, aggregate, masked_mean
+from ..diagnostics import explained_variance
+from ..losses import LagrangeMultiplier, kl_estimate, value_loss
+from ..objective import Objective
+from ..rollout import HFSampler, RolloutBatch, Trajectory, TrajectoryLog, collate
+from ..rollout.chat import demonstration_trajectory
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config
+from .metrics import MetricsLogger
+from .models import build_policy_model, reference_context
+from .policy import ValueHead, causal_parts, learner_logprobs, position_ids_from_mask
+from .stats import two_proportion_test, wilson_interval
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _step_seed(base: int, step: int, salt: int = 0) -> int:
+    return (base * 1_000_003 + step * 7919 + salt * 104729) % (2**31 - 1)
+
+
+@dataclass
+class EvalResult:
+    success: float
+    low: float
+    high: float
+    n: int
+    successes: int
+    reward: float
+
+
+class Trainer:
+    """Builds the model, sampler, data and objective from a :class:`Config` and trains."""
+
+    def __init__(self, cfg: Config, run_dir: Path, *, resume: bool = False, console=print):
+        from ..envs import get_task_source
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = console
+        self.objective: Objective = cfg.objective()
+        self.resume = resume
+        seed_everything(cfg.train.seed)
+
+        self.source = get_task_source(cfg.task.name, **cfg.task.options)
+        self.train_tasks = self.source.tasks("train", cfg.task.n_train, cfg.task.seed)
+        self.heldout_tasks = self.source.tasks("heldout", cfg.eval.n or cfg.task.n_heldout, cfg.task.seed)
+
+        self.model, self.tokenizer = build_policy_model(cfg.model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        self.value_head: Optional[ValueHead] = None
+        self.critic_optimizer = None
+        if self.objective.critic:
+            hidden = causal_parts(self.model)[1].weight.shape[1]
+            self.value_head = ValueHead(hidden)
+            self.critic_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.critic.lr)
+        self.reference = None
+        if self.objective.uses_reference and cfg.model.lora is None:
+            self.reference = copy.deepcopy(self.model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        self.teacher = None
+        self.lagrange = LagrangeMultiplier(init=cfg.constraint.init, lr=cfg.constraint.lr, budget=cfg.constraint.budget) \
+            if cfg.constraint.enabled else None
+        self.sampler = HFSampler(
+            self.model, self.tokenizer, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+            top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens, policy_version=0,
+        )
+        self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl")
+        self.step = 0
+        self.cursor = 0
+        self.policy_version = 0
+        self.dpo_pairs: Optional[List[Tuple[Trajectory, Trajectory]]] = None
+        self.eval_before: Optional[EvalResult] = None
+        metrics_offset = None
+        if resume:
+            metrics_offset = self._restore()
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, resume_offset=metrics_offset)
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, default=str))
+
+    # ------------------------------------------------------------------ state
+    def _modules(self) -> Dict[str, torch.nn.Module]:
+        mods = {"policy": self.model}
+        if self.value_head is not None:
+            mods["value_head"] = self.value_head
+        return mods
+
+    def _optimizers(self) -> Dict[str, torch.optim.Optimizer]:
+        opts = {"policy": self.optimizer}
+        if self.critic_optimizer is not None:
+            opts["critic"] = self.critic_optimizer
+        return opts
+
+    def save(self) -> Path:
+        extra = {
+            "step": self.step, "cursor": self.cursor, "policy_version": self.policy_version,
+            "trajectory_offset": self.traj_log.offset, "metrics_offset": self.metrics.offset,
+            "lagrange": self.lagrange.state_dict() if self.lagrange else None,
+            "eval_before": self.eval_before.__dict__ if self.eval_before else None,
+        }
+        return save_checkpoint(self.run_dir, self.step, modules=self._modules(), optimizers=self._optimizers(),
+                               extra=extra, keep=self.cfg.checkpoint.keep)
+
+    def _restore(self) -> Optional[int]:
+        if latest_checkpoint(self.run_dir) is None:
+            raise ValueError(f"run_dir: {self.run_dir} has no checkpoint to resume from")
+        state = load_checkpoint(self.run_dir, modules=self._modules(), optimizers=self._optimizers())
+        ex = state.extra
+        self.step = int(ex["step"])
+        self.cursor = int(ex["cursor"])
+        self.policy_version = int(ex["policy_version"])
+        self.sampler.set_policy_version(self.policy_version)
+        self.traj_log.truncate_to(int(ex["trajectory_offset"]))
+        if self.lagrange and ex.get("lagrange"):
+            self.lagrange.load_state_dict(ex["lagrange"])
+        if ex.get("eval_before"):
+            self.eval_before = EvalResult(**ex["eval_before"])
+        self.console(f"resumed from {state.path} at step {self.step}")
+        return int(ex["metrics_offset"])
+
+    # ------------------------------------------------------------------ data
+    def _next_tasks(self, n: int) -> list:
+        order_seed = self.cfg.task.seed
+        out = []
+        N = len(self.train_tasks)
+        for _ in range(n):
+            epoch, pos = divmod(self.cursor, N)
+            perm = torch.randperm(N, generator=torch.Generator().manual_seed(order_seed * 31 + epoch)).tolist()
+            out.append(self.train_tasks[perm[pos]])
+            self.cursor += 1
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> EvalResult:
+        cfg = self.cfg
+        self.model.eval()
+        saved = seed_everything, torch.get_rng_state(), random.getstate(), np.random.get_state()
+        seed_everything(_step_seed(cfg.train.seed, 0, salt=99))
+        sampler = HFSampler(self.model, self.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
+                            max_new_tokens=cfg.sampling.max_new_tokens, policy_version=self.policy_version)
+        trajs = sampler.rollout(self.source, self.heldout_tasks, group_size=1, seed=_step_seed(cfg.train.seed, 0, 99))
+        torch.set_rng_state(saved[1]); random.setstate(saved[2]); np.random.set_state(saved[3])
+        self.model.train()
+        succ = sum(1 for t in trajs if t.success)
+        n = len(trajs)
+        lo, hi = wilson_interval(succ, n)
+        reward = float(np.mean([t.total_reward for t in trajs])) if trajs else 0.0
+        res = EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward)
+        self.metrics.log(self.step, {"eval/success": res.success, "eval/success_low": lo, "eval/success_high": hi,
+                                     "eval/reward": reward, "eval/n": n}, kind=f"eval_{tag}")
+        return res
+
+    # ------------------------------------------------------------------ model passes
+    def _micro_batches(self, B: int) -> List[List[int]]:
+        m = self.cfg.train.micro_batch_size
+        return [list(range(i, min(i + m, B))) for i in range(0, B, m)]
+
+    def _logprobs(self, batch: RolloutBatch, *, model=None, want_hidden=False, want_entropy=False):
+        s = self.cfg.sampling
+        return learner_logprobs(model or self.model, batch.input_ids, batch.attention_mask, batch.action_mask,
+                                temperature=s.temperature if s.temperature > 0 else 1.0, top_k=s.top_k, top_p=s.top_p,
+                                want_hidden=want_hidden, want_entropy=want_entropy)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        outs = []
+        for idx in self._micro_batches(len(batch)):
+            mb = batch.select(idx)
+            if self.reference is not None:
+                outs.append(self._logprobs(mb, model=self.reference).logp)
+            else:
+                with reference_context(self.model):
+                    outs.append(self._logprobs(mb).logp)
+        return torch.cat(outs, 0)
+
+    # ------------------------------------------------------------------ rollouts
+    def _collect(self) -> Tuple[List[Trajectory], Dict[str, float]]:
+        cfg, obj = self.cfg, self.objective
+        G = obj.group_size
+        P = cfg.train.prompts_per_step
+        kept: List[Trajectory] = []
+        stats = {"dynamic/discarded_groups": 0.0, "dynamic/discarded_tokens": 0.0, "dynamic/tries": 0.0,
+                 "time/generate": 0.0, "gen_tokens": 0.0}
+        tries = cfg.train.dynamic_sampling_max_tries if obj.dynamic_sampling else 1
+        need = P
+        for attempt in range(tries):
+            tasks = self._next_tasks(need)
+            t0 = time.perf_counter()
+            trajs = self.sampler.rollout(self.source, tasks, group_size=G, seed=_step_seed(cfg.train.seed, self.step, attempt))
+            stats["time/generate"] += time.perf_counter() - t0
+            stats["gen_tokens"] += sum(t.num_action_tokens for t in trajs)
+            stats["dynamic/tries"] += 1
+            groups: Dict[str, List[Trajectory]] = {}
+            for t in trajs:
+                groups.setdefault(t.task_id, []).append(t)
+            for gid, members in groups.items():
+                rewards = [m.total_reward for m in members]
+                if obj.dynamic_sampling and G > 1 and max(rewards) == min(rewards):
+                    stats["dynamic/discarded_groups"] += 1
+                    stats["dynamic/discarded_tokens"] += sum(m.num_action_tokens for m in members)
+                    for m in members:
+                        m.metadata["discarded"] = "zero_variance_group"
+                    self.traj_log.extend(members)
+                    continue
+                kept.extend(members)
+            need = P - len(kept) // G
+            if need <= 0:
+                break
+        return kept, stats
+
+    # ------------------------------------------------------------------ rewards and advantages
+    def _sequence_rewards(self, batch: RolloutBatch) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """Per-turn rewards -> (shaped, cost-penalized) per-turn rewards [B, K]."""
+        r = batch.turn_rewards.double()
+        m = batch.turn_mask
+        info: Dict[str, float] = {}
+        if self.cfg.task.shaping:
+            pots = torch.cat([batch.initial_potential.double()[:, None], batch.turn_potentials.double()], 1)
+            # pad one more column so the last valid turn of a full row has its successor
+            r = returns_lib.shape_rewards(r, pots, gamma=self.objective.gamma, mask=m,
+                                          terminated=batch.terminated[:, None] & (torch.arange(r.shape[1])[None] == m.sum(1, keepdim=True) - 1),
+                                          zero_terminal_potential=True)
+            info["shaping/bonus"] = float((r - batch.turn_rewards.double())[m].sum() / len(batch))
+        if self.lagrange is not None:
+            costs = batch.turn_costs.double()
+            mean_cost = float(costs.sum(1).mean())
+            info["constraint/mean_cost"] = mean_cost
+            info["constraint/lambda"] = self.lagrange.value
+            r = r - self.lagrange.value * costs
+        return torch.where(m, r, torch.zeros_like(r)), info
+
+    @staticmethod
+    def _turn_end_positions(batch: RolloutBatch) -> torch.Tensor:
+        """[B, K] index (targets-aligned) of the last action token of each turn, -1 if none."""
+        B, L = batch.action_mask.shape
+        K = batch.turn_mask.shape[1]
+        pos = torch.full((B, K), -1, dtype=torch.long)
+        ar = torch.arange(L)[None].expand(B, L)
+        for k in range(K):
+            sel = batch.action_mask & (batch.turn_ids == k)
+            last = torch.where(sel, ar, torch.full_like(ar, -1)).max(1).values
+            pos[:, k] = last
+        return pos
+
+    def _token_rewards(self, batch: RolloutBatch, turn_rewards: torch.Tensor) -> torch.Tensor:
+        B, L = batch.action_mask.shape
+        tok = torch.zeros(B, L, dtype=torch.float64)
+        ends = self._turn_end_positions(batch)
+        valid = ends >= 0
+        rows = torch.arange(B)[:, None].expand_as(ends)
+        tok.index_put_((rows[valid], ends[valid]), turn_rewards[valid], accumulate=True)
+        return tok
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> Dict[str, float]:
+        cfg, obj = self.cfg, self.objective
+        seed_everything(_step_seed(cfg.train.seed, self.step))
+        t_step = time.perf_counter()
+        if obj.loss == "dpo":
+            return self._dpo_step()
+        trajs, metrics = self._collect()
+        self.traj_log.extend(trajs)
+        if not trajs:
+            metrics["skipped"] = 1.0
+            return metrics
+        batch = collate(trajs, self.pad_id)
+        B = len(batch)
+        mask = batch.action_mask
+        metrics["reward/mean"] = float(batch.rewards.mean())
+        metrics["success/rate"] = float(batch.success.float().mean())
+        metrics["len/action_tokens"] = float(mask.sum(1).float().mean())
+        metrics["len/turns"] = float(batch.turn_mask.sum(1).float().mean())
+        metrics["len/cut_episodes"] = float(batch.truncated.float().mean())
+
+        turn_rewards, rinfo = self._sequence_rewards(batch)
+        metrics.update(rinfo)
+
+        # old log-probs, values (critic), reference
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            need_hidden = obj.critic
+            outs = [self._logprobs(batch.select(i), want_hidden=need_hidden, want_entropy=True) for i in self._micro_batches(B)]
+            recomputed = torch.cat([o.logp for o in outs], 0).double()
+            entropy = torch.cat([o.entropy for o in outs], 0)
+            hidden = torch.cat([o.hidden for o in outs], 0) if need_hidden else None
+        behaviour = batch.old_logp.double()
+        metrics["entropy"] = float(masked_mean(entropy.double(), mask))
+        mism = kl_estimate(recomputed, behaviour, mask, kind="k3")
+        metrics["mismatch/k3_learner_vs_sampler"] = float(masked_mean(mism, mask))
+        metrics["mismatch/max_abs_log_ratio"] = float(torch.where(mask, (recomputed - torch.nan_to_num(behaviour)).abs(), 0).max())
+        use_behaviour = obj.loss == "sao" or cfg.train.old_logp == "behaviour"
+        old_logp = torch.where(mask, behaviour, 0.0) if use_behaviour else recomputed
+        ref_logp = self._reference_logprobs(batch).double() if obj.kl_placement != "none" else None
+        if ref_logp is not None:
+            metrics["kl/k3_to_reference"] = float(masked_mean(kl_estimate(recomputed, ref_logp, mask, kind="k3"), mask))
+        metrics["time/logprob_recompute"] = time.perf_counter() - t0
+
+        # advantages
+        if obj.critic:
+            tok_r = self._token_rewards(batch, turn_rewards)
+            if ref_logp is not None and obj.kl_placement == "reward":
+                tok_r = tok_r - obj.kl_in_reward(recomputed, ref_logp, mask).double()
+            adv, crit = self._critic_phase(batch, hidden, tok_r)
+            metrics.update(crit)
+            advantages = adv
+        else:
+            seq_r = turn_rewards.sum(1)
+            if ref_logp is not None and obj.kl_placement == "reward":
+                seq_r = seq_r - obj.kl_in_reward(recomputed, ref_logp, mask).sum(1)
+            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids) if obj.advantage != "return" \
+                else obj.sequence_advantages(seq_r)
+            advantages = ga.advantages.double()
+            zv = ga.zero_variance
+            metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
+
+        # policy update
+        t0 = time.perf_counter()
+        warm = obj.critic and self.step < cfg.critic.warmup_steps
+        if not warm:
+            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp))
+            self.policy_version += 1
+            self.sampler.set_policy_version(self.policy_version)
+        metrics["time/update"] = time.perf_counter() - t0
+        if self.lagrange is not None:
+            self.lagrange.update(metrics["constraint/mean_cost"])
+        dt = time.perf_counter() - t_step
+        metrics["time/step"] = dt
+        metrics["throughput/gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(metrics["time/generate"], 1e-9)
+        metrics["throughput/samples_per_s"] = B / dt
+        metrics["policy_version"] = float(self.policy_version)
+        return metrics
+
+    def _critic_phase(self, batch: RolloutBatch, hidden: torch.Tensor, tok_r: torch.Tensor):
+        """K critic updates on TD(λ) targets, then advantages from the updated critic (§20.3)."""
+        obj, cfg = self.objective, self.cfg
+        mask = batch.action_mask
+        term = batch.terminated
+        B, L = mask.shape
+        last = torch.where(mask, torch.arange(L)[None].expand(B, L), torch.full((B, L), -1)).max(1).values
+        terminated = torch.zeros(B, L, dtype=torch.bool)
+        rows = torch.arange(B)[last >= 0]
+        terminated[rows, last[last >= 0]] = term[last >= 0]
+        with torch.no_grad():
+            values = self.value_head(hidden).double()
+        # truncated rows bootstrap from the critic's value of their last action token
+        boot = torch.where(term, torch.zeros(B, dtype=torch.float64), values[torch.arange(B), last.clamp_min(0)])
+        out = obj.token_advantages(values, tok_r, mask, terminated=terminated, bootstrap_value=boot)
+        targets = out.returns
+        K = cfg.critic.updates or obj.critic_updates
+        vl = None
+        for _ in range(K):
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            pred = self.value_head(hidden).double()
+            vl = value_loss(pred, targets, mask, old_values=values, clip_range=obj.value_clip)
+            vl.loss.backward()
+            self.critic_optimizer.step()
+        with torch.no_grad():
+            new_values = self.value_head(hidden).double()
+        out2 = obj.token_advantages(new_values, tok_r, mask, terminated=terminated, bootstrap_value=boot)
+        ev = explained_variance(targets, values, mask)
+        m = {"critic/value_loss": float(vl.loss), "critic/explained_variance": float(ev),
+             "critic/value_mean": float(masked_mean(values, mask))}
+        return out2.advantages, m
+
+    def _policy_update(self, batch, advantages, old_logp, ref_logp) -> Dict[str, float]:
+        cfg, obj = self.cfg, self.objective
+        mask = batch.action_mask
+        mbs = self._micro_batches(len(batch))
+        norm = Normalizer.from_masks([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+        den = norm.denominator()
+        acc: Dict[str, float] = {}
+        loss_total = 0.0
+        for _epoch in range(cfg.train.epochs_per_batch):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for idx in mbs:
+                mb = batch.select(idx)
+                out = self._logprobs(mb)
+                adv = advantages[idx]
+                res = obj.policy_loss(out.logp.double(), adv, mb.action_mask, old_logp=old_logp[idx],
+                                      ref_logp=None if ref_logp is None else ref_logp[idx], denominator=den)
+                res.loss.backward()
+                loss_total += float(res.loss)
+                w = float(mb.action_mask.sum()) / max(float(mask.sum()), 1.0)
+                for k, v in res.metrics.items():
+                    if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
+                        acc[k] = acc.get(k, 0.0) + w * float(v)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if cfg.optim.grad_clip:
+                gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+                acc["grad_norm"] = float(gn)
+            self.optimizer.step()
+        acc["loss"] = loss_total
+        return acc
+
+    # ------------------------------------------------------------------ SFT and DPO
+    def _demo_batch(self, tasks) -> RolloutBatch:
+        trajs = [demonstration_trajectory(self.tokenizer, self.source, t) for t in tasks]
+        return collate(trajs, self.pad_id)
+
+    def sft(self, steps: int, batch_size: int, lr: float, progress=None) -> List[float]:
+        """Masked negative log-likelihood on demonstrations (action tokens only)."""
+        if steps <= 0:
+            return []
+        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        losses = []
+        rng = random.Random(self.cfg.train.seed + 17)
+        for s in range(steps):
+            tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
+            batch = self._demo_batch(tasks)
+            opt.zero_grad(set_to_none=True)
+            mbs = self._micro_batches(len(batch))
+            den = Normalizer.from_masks([batch.action_mask[i] for i in mbs], "token_mean").denominator()
+            total = 0.0
+            for idx in mbs:
+                mb = batch.select(idx)
+                logp = self._logprobs(mb).logp
+                loss = aggregate(-logp, mb.action_mask, "token_mean", denominator=den)
+                loss.backward()
+                total += float(loss)
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
+            opt.step()
+            losses.append(total)
+            if progress is not None:
+                progress(s, total)
+        return losses
+
+    def _build_dpo_pairs(self) -> List[Tuple[Trajectory, Trajectory]]:
+        """Offline pairs: a demonstration (chosen) against a failed sample of the initial policy."""
+        cfg = self.cfg
+        tasks = self.train_tasks[: cfg.dpo.pairs]
+        seed_everything(_step_seed(cfg.train.seed, 0, salt=7))
+        samples = self.sampler.rollout(self.source, tasks, group_size=2, seed=_step_seed(cfg.train.seed, 0, 7))
+        by_task: Dict[str, List[Trajectory]] = {}
+        for t in samples:
+            by_task.setdefault(t.task_id, []).append(t)
+        pairs = []
+        for task in tasks:
+            failed = [t for t in by_task.get(task.id, []) if not t.success]
+            if failed:
+                pairs.append((demonstration_trajectory(self.tokenizer, self.source, task), failed[0]))
+        if not pairs:
+            raise ValueError("dpo.pairs: the initial policy solved every task; no rejected responses to pair with")
+        return pairs
+
+    def _dpo_step(self) -> Dict[str, float]:
+        from ..losses import sequence_logp
+
+        if self.dpo_pairs is None:
+            self.dpo_pairs = self._build_dpo_pairs()
+        n = min(self.cfg.train.prompts_per_step, len(self.dpo_pairs))
+        start = (self.cursor * n) % len(self.dpo_pairs)
+        pairs = [self.dpo_pairs[(start + i) % len(self.dpo_pairs)] for i in range(n)]
+        self.cursor += 1
+        chosen = collate([p[0] for p in pairs], self.pad_id)
+        rejected = collate([p[1] for p in pairs], self.pad_id)
+        with torch.no_grad():
+            ref_c = sequence_logp(self._reference_logprobs(chosen).double(), chosen.action_mask)
+            ref_r = sequence_logp(self._reference_logprobs(rejected).double(), rejected.action_mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        pc = sequence_logp(self._logprobs(chosen).logp.double(), chosen.action_mask)
+        pr = sequence_logp(self._logprobs(rejected).logp.double(), rejected.action_mask)
+        res = self.objective.dpo_loss(pc, pr, ref_c, ref_r)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.optim.grad_clip or 1e9)
+        self.optimizer.step()
+        self.policy_version += 1
+        out = {"loss": float(res.loss)}
+        out.update({k: float(v) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
+        return out
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> Dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        show = cfg.log.progress
+        if not self.resume:
+            if cfg.eval.before:
+                self.console(f"evaluating on {len(self.heldout_tasks)} held-out tasks (before training)...")
+                self.eval_before = self.evaluate("before")
+                self.console(_fmt_eval("before", self.eval_before))
+            if cfg.sft.steps > 0:
+                bar = tqdm(total=cfg.sft.steps, desc="sft warm start", disable=not show, dynamic_ncols=True)
+
+                def prog(s, loss):
+                    bar.update(1)
+                    bar.set_postfix(nll=f"{loss:.3f}")
+                    self.metrics.log(s, {"sft/nll": loss}, kind="sft")
+
+                self.sft(cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, progress=prog)
+                bar.close()
+                if cfg.eval.before:
+                    ev = self.evaluate("after_sft")
+                    self.console(_fmt_eval("after SFT", ev))
+            if cfg.checkpoint.every:
+                self.save()
+        bar = tqdm(total=cfg.train.steps, initial=self.step, desc=f"{self.objective.name}", disable=not show,
+                   dynamic_ncols=True)
+        while self.step < cfg.train.steps:
+            m = self.train_step()
+            self.step += 1
+            self.metrics.log(self.step, m, kind="train")
+            bar.update(1)
+            bar.set_postfix({k: f"{m[k]:.3g}" for k in ("reward/mean", "success/rate", "entropy", "clip_frac", "loss")
+                             if k in m})
+            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                self.evaluate("during")
+            if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps):
+                self.save()
+        bar.close()
+        summary: Dict[str, Any] = {"steps": self.step, "recipe": self.objective.name}
+        if cfg.eval.after:
+            after = self.evaluate("after")
+            summary["eval_after"] = after.__dict__
+            self.console(_fmt_eval("after", after))
+            if self.eval_before is not None:
+                b = self.eval_before
+                p = two_proportion_test(b.successes, b.n, after.successes, after.n)
+                summary["eval_before"] = b.__dict__
+                summary["p_value"] = p
+                self.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
+                             f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.traj_log.close()
+        return summary
+
+
+def _fmt_eval(tag: str, r: EvalResult) -> str:
+    return f"held-out success {tag}: {r.successes}/{r.n} = {r.success:.1%} (95% CI {r.low:.1%}–{r.high:.1%}), mean reward {r.reward:.3f}"
