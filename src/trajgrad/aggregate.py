@@ -14,7 +14,8 @@ Let sequence :math:`i` have :math:`L_i = \sum_j m_{ij}` valid action tokens and 
 ``seq_sum_constant``     :math:`\sum_{ij} m_{ij} x_{ij} \,/\, (C\,D)`,
                          :math:`D = \#\{i: L_i>0\}`, :math:`C` a constant that does not
                          depend on the sample (Dr. GRPO; default :math:`C` = the padded
-                         length ``L``, i.e. the maximum generation length)
+                         length ``L``; with micro-batches of different padded
+                         lengths pass it explicitly, e.g. the maximum generation length)
 =======================  ==============================================================
 
 Sequences with no valid token are not counted: appending all-padding rows leaves every

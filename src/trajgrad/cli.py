@@ -91,7 +91,7 @@ def example() -> None:
     ratios = torch.exp(cur.detach() - old)[mask.bool()]
     typer.echo("spec §23: two trajectories, two action tokens each, clip epsilon 0.2")
     typer.echo(f"  ratios at valid tokens : {[round(float(r), 5) for r in ratios]}")
-    typer.echo(f"  loss (token mean)      : {float(res.loss):.5f}   (spec: -0.48581)")
+    typer.echo(f"  loss (token mean)      : {float(res.loss.detach()):.5f}   (spec: -0.48581)")
     typer.echo(f"  d loss / d logp        : {cur.grad.tolist()}  (masked 4th token: 0)")
     typer.echo(f"  clip fraction          : {float(res.metrics.get('clip_frac', torch.tensor(0.0))):.3f}")
 

@@ -33,6 +33,12 @@ Truncation semantics (identical to ``generate()``):
   ``torch.sort`` decides which are dropped, as in ``generate()``. ``top_p=1`` is a no-op
   (``generate()`` does not install the warper then).
 * ``None`` disables a truncation; ``top_k=0`` is rejected (use ``None``).
+
+Nothing here is evidence: every output is differentiable w.r.t. ``logits``; only the
+choice of the support is computed under ``no_grad`` (piecewise constant).
+
+References: Fan et al., "Hierarchical Neural Story Generation", 2018 (top-k);
+Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020 (top-p / nucleus).
 """
 from __future__ import annotations
 
@@ -313,12 +319,14 @@ def token_logprobs(
     gradient w.r.t. ``logits`` is still finite (no NaN), but such a token was not sampled
     under these settings: it signals a sampler/learner mismatch and should be masked.
 
-    Memory: without truncation the result is ``z_y/T - logsumexp(z/T)``; no ``[B, L, V]``
-    log-softmax is kept for the backward pass beyond the (scaled, for :math:`T\ne1` or
-    half-precision input) logits themselves. With truncation the support is computed in
-    row chunks under ``no_grad`` and one masked ``[B, L, V]`` copy is kept. For large
-    vocabularies without truncation, ``trajgrad.fused.fused_token_logprobs`` avoids the
-    ``[B, L, V]`` logits altogether.
+    Memory: ``log_softmax`` + ``gather`` (one fused kernel each way); the ``[B, L, V]``
+    log-softmax is kept for the backward pass, plus one scaled copy when :math:`T\ne1` or
+    the logits are half precision (promoted to ``float32``). With truncation the support is
+    computed in row chunks under ``no_grad`` (transient sort buffers of at most
+    ``_SUPPORT_CHUNK_ELEMENTS`` entries) and one masked ``[B, L, V]`` copy is kept. Nothing
+    of size ``[B, L, V]`` is built beyond these (no probabilities, no one-hot). For large
+    vocabularies without truncation, ``trajgrad.fused.fused_token_logprobs`` computes the
+    same values chunk by chunk from the hidden states without the ``[B, L, V]`` logits.
 
     Args:
       logits: ``[B, L, V]`` (any ``[..., V]``), aligned with ``targets`` (use
@@ -343,9 +351,7 @@ def token_logprobs(
     logits = _sanitize_rows(logits, valid)
 
     warped = _warp(logits, t, k, p)
-    normalizer = torch.logsumexp(warped, dim=-1)
-    picked = warped.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logp = picked - normalizer
+    logp = torch.log_softmax(warped, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     in_support = logp > -math.inf
     if valid is not None:
         logp = _checks.fill_masked(logp, valid)

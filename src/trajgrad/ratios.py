@@ -125,7 +125,7 @@ def segment_log_ratios(
     seg = torch.where(mask_b, segment_ids, torch.zeros_like(segment_ids)).long()
     if bool((seg < 0).any()):
         raise ValueError("segment_ids: must be non-negative at valid positions")
-    s = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
+    s = (int(seg.max().item()) + 1 if seg.numel() else 1) if num_segments is None else int(num_segments)
     if num_segments is not None and seg.numel() and int(seg.max()) >= s:
         raise ValueError(f"segment_ids: contains id {int(seg.max())} >= num_segments={s}")
     per_segment = torch.zeros(lr.shape[0], max(s, 1), dtype=lr.dtype, device=lr.device)

@@ -76,27 +76,40 @@ class GAEOutput(NamedTuple):
 def _suffix_affine_scan(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     r"""Solve :math:`A_t=d_t+c_tA_{t+1}` for all ``t`` along the last axis, with :math:`A_T=0`.
 
-    Work-efficient log-depth scan: the composition of steps ``2i`` and ``2i+1`` is the
-    affine map :math:`A_{2i}=(d_{2i}+c_{2i}d_{2i+1})+c_{2i}c_{2i+1}A_{2i+2}`; the half-length
-    problem gives every even step, and each odd step follows from the next even one.
-    Total work is linear in ``T``; recursion depth is :math:`\lceil\log_2 T\rceil`.
+    Returns a new tensor; ``d`` and ``c`` are not modified. See :func:`_suffix_affine_scan_`.
+    """
+    return _suffix_affine_scan_(d.clone(), c)
+
+
+def _suffix_affine_scan_(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    r"""In-place version: overwrite ``d`` with the solution :math:`A` and return it.
+
+    Work-efficient log-depth scan. Steps ``2i`` and ``2i+1`` compose into the affine map
+    :math:`A_{2i}=(d_{2i}+c_{2i}d_{2i+1})+c_{2i}c_{2i+1}A_{2i+2}`; the half-length problem
+    gives every even step, and each odd step follows from the next even one:
+    :math:`A_{2i+1}=d_{2i+1}+c_{2i+1}A_{2i+2}`. For an odd length the last step is its own
+    solution (:math:`A_{T-1}=d_{T-1}`) and closes the recursion of the even prefix. Total work
+    is linear in ``T``, depth :math:`\lceil\log_2T\rceil`, and only half-length temporaries
+    are allocated at each level.
     """
     length = d.shape[-1]
     if length <= 1:
-        return d.clone()
-    if length % 2:
-        pad = d.new_zeros(d.shape[:-1] + (1,))
-        d = torch.cat([d, pad], -1)
-        c = torch.cat([c, pad], -1)
-    d_even, d_odd = d[..., 0::2], d[..., 1::2]
-    c_even, c_odd = c[..., 0::2], c[..., 1::2]
-    a_even = _suffix_affine_scan(torch.addcmul(d_even, c_even, d_odd), c_even * c_odd)
-    out = torch.empty_like(d)
-    out[..., 0::2] = a_even
-    # Odd step 2i+1 continues into even step 2i+2; the last odd step has nothing after it.
-    out[..., 1:-1:2] = torch.addcmul(d_odd[..., :-1], c_odd[..., :-1], a_even[..., 1:])
-    out[..., -1] = d_odd[..., -1]
-    return out[..., :length]
+        return d
+    even = length - (length % 2)
+    d_even, d_odd = d[..., 0:even:2], d[..., 1:even:2]
+    c_even, c_odd = c[..., 0:even:2], c[..., 1:even:2]
+    pair_d = torch.addcmul(d_even, c_even, d_odd)
+    pair_c = c_even * c_odd
+    tail = d[..., length - 1] if length % 2 else None
+    if tail is not None:
+        pair_d[..., -1].addcmul_(pair_c[..., -1], tail)
+        pair_c[..., -1] = 0.0
+    a_even = _suffix_affine_scan_(pair_d, pair_c)
+    d_odd[..., :-1].addcmul_(c_odd[..., :-1], a_even[..., 1:])
+    if tail is not None:
+        d_odd[..., -1].addcmul_(c_odd[..., -1], tail)
+    d_even.copy_(a_even)
+    return d
 
 
 def _shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -319,8 +332,15 @@ def _td_terms(r, v, m, gamma, term, trunc, trunc_value, bootstrap):
 
 
 def _finite_or_raise(name: str, x: torch.Tensor, where: Optional[torch.Tensor]) -> None:
-    """``_checks.check_finite`` with a one-pass fast path for the common all-finite case."""
-    if _checks.values_checked() and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+    """``_checks.check_finite`` with a one-reduction fast path.
+
+    A sum is finite only if every term is finite (NaN and ±inf propagate), so a finite sum
+    proves the whole tensor finite; otherwise (a non-finite entry, or an overflowing sum)
+    the exact masked check decides.
+    """
+    if not _checks.values_checked() or not x.is_floating_point() or x.numel() == 0:
+        return
+    if not bool(torch.isfinite(x.sum())):
         _checks.check_finite(name, x, where)
 
 
@@ -329,11 +349,12 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
 
     Rather than locate the next valid step of every step, the scan runs on
     :math:`y_t=V_t+\lambda\hat A_t` and lets padding pass the carry through unchanged
-    (coefficient 1, offset 0). Substituting :math:`\hat A_t=r_t-V_t+\gamma N_t` with
-    :math:`N_t=y_{t'}` when the step carries on to the next valid step :math:`t'`, and
-    :math:`N_t=N^0_t` (0 / truncation value / bootstrap) when it does not, gives the affine
-    recurrence :math:`y_t=(1-\lambda)V_t+\lambda r_t+\lambda\gamma N^0_t+\gamma\lambda\,
-    \mathrm{carry}_t\,y_{t'}`; then :math:`y_{t'}` is the scan output one column to the right.
+    (coefficient 1, offset 0). Writing :math:`\hat A_t=r_t-V_t+\gamma N_t` with
+    :math:`N_t=y_{t'}` when step :math:`t` carries on to the next valid step :math:`t'`, and
+    :math:`N_t=N^0_t` (0, the truncation value or the bootstrap) when it does not, gives the
+    affine recurrence :math:`y_t=(1-\lambda)V_t+\lambda r_t+\lambda\gamma N^0_t
+    +\gamma\lambda\,\mathrm{carry}_t\,y_{t'}`, and :math:`y_{t'}` is the scan output one
+    column to the right (padding passes it through).
     """
     rewards = _steps("rewards", rewards)
     shape = tuple(rewards.shape)
@@ -352,20 +373,25 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
         r, v = _checks.fill_masked(r, m), _checks.fill_masked(v, m)
         seen = torch.cumsum(m, -1, dtype=torch.int32)
         has_next = seen < seen[:, -1:]
+        valid = m
     else:
         has_next = (torch.arange(length, device=device) < length - 1).expand(shape)
-    valid = m if m is not None else torch.ones(shape, dtype=torch.bool, device=device)
-    term = _flag("terminated", terminated, shape, valid)
-    trunc = _flag("truncated", truncated, shape, valid) & ~term
-    is_last = valid & ~has_next
-    open_end = is_last & ~term & ~trunc
-    carry = has_next & ~term & ~trunc
-    if m is not None:
-        carry = carry & m
+        valid = torch.ones(shape, dtype=torch.bool, device=device)
+    stop = ~has_next  # steps after which the carry stops: row end, terminal, truncation
+    term = trunc = None
+    if terminated is not None:
+        term = _flag("terminated", terminated, shape, valid)
+        stop = stop | term
+    if truncated is not None:
+        trunc = _flag("truncated", truncated, shape, valid)
+        if term is not None:
+            trunc = trunc & ~term
+        stop = stop | trunc
+    carry = ~stop & valid
 
-    n0 = None  # the next value used where the carry stops (0 unless truncated / bootstrapped)
+    n0 = None  # the next value where the carry stops (0 unless truncated / bootstrapped)
     if truncation_value is None:
-        if truncated is not None and bool(trunc.any()):
+        if trunc is not None and bool(trunc.any()):
             raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
     else:
         if truncated is None:
@@ -375,25 +401,37 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
         _checks.check_finite("truncation_value", tv, trunc)
         n0 = _checks.fill_masked(tv.to(dtype), trunc)
     if bootstrap_value is not None:
+        # Read at the last valid step of a row unless that step ends the episode.
+        open_end = valid & ~has_next
+        if term is not None:
+            open_end = open_end & ~term
+        if trunc is not None:
+            open_end = open_end & ~trunc
         boot = _per_row("bootstrap_value", bootstrap_value, bsz, dtype, device, open_end.any(-1))
         boot = torch.where(open_end, boot[:, None].expand(shape), torch.zeros((), dtype=dtype, device=device))
-        n0 = boot if n0 is None else n0 + boot
+        n0 = boot if n0 is None else n0.add_(boot)
 
     with torch.no_grad():
-        d = torch.add(v, r - v, alpha=lam)  # (1 - lam) V + lam r, exactly V at lam = 0
+        adv = r - v
+        y = torch.add(v, adv, alpha=lam)  # (1 - lam) V + lam r
         if n0 is not None:
-            d = d.add_(n0, alpha=lam * gamma)
-        c = carry.to(dtype).mul_(gamma * lam)
+            y.add_(n0, alpha=lam * gamma)
+        carry_f = carry.to(dtype)
+        c = carry_f * (gamma * lam)
         if m is not None:
-            c = c.masked_fill_(~m, 1.0)
-        y = _suffix_affine_scan(d, c)
-        y_next = _shift_left(y, 1)
-        nxt = torch.where(carry, y_next, n0) if n0 is not None else y_next.masked_fill_(~carry, 0.0)
-        adv = torch.add(r - v, nxt, alpha=gamma)
+            c.add_((~m).to(dtype))  # coefficient 1 at padding (carry is 0 there)
+        _suffix_affine_scan_(y, c)
+        # adv = r - V + gamma * (carry ? y[t + 1] : n0). Every operand is finite here, so the
+        # 0/1 factors below are products of finite numbers, never a masking of NaN/inf.
+        if length > 1:
+            adv[..., :-1].addcmul_(carry_f[..., :-1], y[..., 1:], value=gamma)
+        if n0 is not None:
+            adv.add_(n0, alpha=gamma)
         ret = adv + v
         if m is not None:
-            adv = adv.masked_fill_(~m, 0.0)
-            ret = ret.masked_fill_(~m, 0.0)
+            valid_f = m.to(dtype)
+            adv.mul_(valid_f)
+            ret.mul_(valid_f)
     return GAEOutput(adv, ret)
 
 
@@ -416,16 +454,15 @@ def gae(
         \hat A_t = \delta_t + \gamma\lambda\,c_t\,\hat A_{t'},\qquad
         \hat A_t = \sum_{l\ge0}(\gamma\lambda)^l\delta_{t+l}\ \text{(within an episode)},
 
-    where :math:`t'` is the next valid step of the row and, for a valid step :math:`t`:
+    where :math:`t'` is the next valid step of the row and, for a valid step :math:`t`,
+    the next value :math:`V^{next}_t` and the carry :math:`c_t` are:
 
-    ============================================  ===================  =================
-    case                                          :math:`V^{next}_t`   :math:`c_t`
-    ============================================  ===================  =================
-    ``terminated[t] = 1`` (true end)              0                    0
-    ``truncated[t] = 1`` (cut by the collector)   ``truncation_value[b, t]``  0
-    last valid step of the row, neither           ``bootstrap_value[b]`` (default 0)  0
-    otherwise                                     :math:`V_{t'}`       1
-    ============================================  ===================  =================
+    * ``terminated[b, t] = 1`` (true end): :math:`V^{next}_t=0`, :math:`c_t=0`;
+    * ``truncated[b, t] = 1`` (cut by the collector mid-row):
+      :math:`V^{next}_t=` ``truncation_value[b, t]``, :math:`c_t=0`;
+    * last valid step of the row, neither flag: :math:`V^{next}_t=` ``bootstrap_value[b]``
+      (default 0, i.e. the row ends its episode), :math:`c_t=0`;
+    * otherwise :math:`V^{next}_t=V_{t'}`, :math:`c_t=1`.
 
     ``terminated`` wins when both flags are set. ``mask = 0`` steps are padding: they are
     skipped (the recursion connects consecutive valid steps, no discount across the gap),

@@ -284,7 +284,7 @@ def _verify_dpo(loss_fn, recipe: Objective, *, seed, atol, rtol) -> VerifyReport
         gb = torch.autograd.grad(rv, b)
         dv, dg = _maxdev(v.detach(), rv.detach()), max(_maxdev(ga[0], gb[0]), _maxdev(ga[1], gb[1]))
         worst_v, worst_g = max(worst_v, dv), max(worst_g, dg)
-        ok_v &= dv <= atol + rtol * abs(float(rv))
+        ok_v &= dv <= atol + rtol * abs(float(rv.detach()))
         ok_g &= dg <= atol + rtol * float(max(gb[0].abs().max(), gb[1].abs().max()))
     report.checks.append(Check("value", ok_v, worst_v, "loss equals the reference"))
     report.checks.append(Check("gradient", ok_g, worst_g, "gradients w.r.t. chosen/rejected log-probs"))

@@ -1,24 +1,28 @@
 """Child side of :class:`trajgrad.envs.sandbox.SandboxedPython` (run as a script).
 
-Started as ``python -I -B _sandbox_runner.py`` in a fresh temporary directory. It reads
-one JSON request from stdin (``code``, ``tmpdir``, limits), then, in this order:
+Started as ``python -I -B _sandbox_runner.py REQUEST`` with its working directory a
+fresh temporary directory. In this order it:
 
 1. imports everything it needs itself, plus a small set of harmless modules that user
-   code may use (math, fractions, statistics, json, re, ...);
-2. when started as root, drops to the unprivileged ``nobody`` user (the temporary
-   directory was handed to that user by the parent);
-3. sets hard resource limits (soft = hard, so they cannot be raised again):
+   code may use (math, cmath, fractions, decimal, statistics, random, re, json,
+   itertools, functools, collections, heapq, bisect, datetime, string, copy, operator);
+2. reads the JSON request file (``code``, ``tmpdir``, limits) and deletes it, then
+   parses and compiles the code;
+3. when started as root: enters an empty network namespace, then drops to the
+   unprivileged ``nobody`` user (the parent handed it the temporary directory);
+4. sets the resource limits (soft = hard, so they cannot be raised again):
    RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC = 0 (no fork, no threads), RLIMIT_FSIZE,
-   RLIMIT_NOFILE;
-4. installs an audit hook that refuses network use, process creation, writes outside
-   the temporary directory and reads outside it and the Python installation, and a
-   meta-path finder plus a guarded ``__import__`` that refuse the dangerous modules;
-5. runs the code with stdout/stderr captured in memory (capped), and writes one result
-   line ``MARKER + json`` to the real stdout.
+   RLIMIT_NOFILE, RLIMIT_CORE = 0;
+5. installs an audit hook (network, process creation, signals, ctypes, writes outside
+   the temporary directory, reads outside it and the Python installation) and the
+   import guards (a meta-path finder for modules not yet loaded, a guarded
+   ``__import__`` in the user's builtins for the rest);
+6. runs the code with stdout/stderr captured in memory (capped) and stdin empty, and
+   writes one line ``MARKER + json`` to the real stdout.
 
-The in-process guards are a second line of defence: the hard limits are the separate
-process, the resource limits, the unprivileged user (when available) and the wall-time
-kill done by the parent.
+The in-process guards make violations visible to the agent; the separate process, the
+resource limits, the unprivileged user and the parent's wall-time kill are what hold
+if they are bypassed.
 """
 import ast
 import builtins
@@ -37,7 +41,6 @@ import bisect  # noqa: F401
 import cmath  # noqa: F401
 import collections  # noqa: F401
 import copy  # noqa: F401
-import dataclasses  # noqa: F401
 import datetime  # noqa: F401
 import decimal  # noqa: F401
 import fractions  # noqa: F401
@@ -50,8 +53,6 @@ import random  # noqa: F401
 import re  # noqa: F401
 import statistics  # noqa: F401
 import string  # noqa: F401
-import textwrap  # noqa: F401
-import typing  # noqa: F401
 
 MARKER = "\x00TRAJGRAD-SANDBOX-RESULT\x00"
 FILENAME = "<sandbox>"
@@ -139,35 +140,72 @@ class _Capture(io.TextIOBase):
         return "".join(self.parts)
 
 
-def _as_path(obj):
-    if isinstance(obj, int):
-        return obj
-    try:
-        return os.fsdecode(os.fspath(obj))
-    except Exception:
-        return None
-
-
-def _inside(path, roots):
-    real = os.path.realpath(path)
-    for root in roots:
-        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
-            return True
-    return False
-
-
-def _isolate_network():
-    """Best effort, as root: move this process into an empty network namespace."""
+def _isolate(tmpdir):
+    """Best effort, as root: empty network namespace; private mounts with the world-writable
+    directories read-only (the temporary directory stays writable). Returns (net, fs)."""
+    net = fs = False
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.unshare(0x40000000) == 0  # CLONE_NEWNET
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+        newns, newnet = 0x00020000, 0x40000000
+        if libc.unshare(newns | newnet) == 0:
+            net = True
+            ms_rdonly, ms_remount, ms_bind, ms_rec, ms_private = 1, 32, 4096, 16384, 1 << 18
+
+            def mount(source, target, flags):
+                src = None if source is None else source.encode()
+                return libc.mount(src, target.encode(), None, flags, None) == 0
+
+            fs = mount(None, "/", ms_rec | ms_private) and mount(tmpdir, tmpdir, ms_bind)
+            for directory in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+                if fs and os.path.isdir(directory):
+                    fs = mount(directory, directory, ms_bind | ms_rec) and mount(
+                        None, directory, ms_bind | ms_remount | ms_rdonly
+                    )
+            os.chdir(tmpdir)  # re-enter through the new mounts
+        else:
+            net = libc.unshare(newnet) == 0
     except Exception:
-        ok = False
+        pass
     for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
         del sys.modules[name]
-    return ok
+    return net, fs
+
+
+# ``os`` functions replaced by refusing stubs before the user code runs: some touch the
+# file system without raising an audit event (mkfifo, mknod); the others are audited, and
+# replacing them too is one more layer.
+_STUBBED = {
+    "creating special files is not allowed": ("mkfifo", "mknod"),
+    "process creation is not allowed": (
+        "fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv",
+        "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv",
+        "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp", "spawnvpe",
+    ),
+    "sending signals is not allowed": ("kill", "killpg"),
+    "changing the root or namespaces is not allowed": ("chroot", "setns", "unshare"),
+    "creating links is not allowed": ("symlink", "link"),
+}
+
+
+def _stub_os(refuse):
+    import posix
+
+    def make_stub(name, message):
+        def stub(*args, **kwargs):
+            refuse(f"{message} (os.{name})")
+
+        stub.__name__ = name
+        return stub
+
+    for message, names in _STUBBED.items():
+        for name in names:
+            stub = make_stub(name, message)
+            for module in (os, posix):
+                if hasattr(module, name):
+                    setattr(module, name, stub)
 
 
 def _drop_privileges(uid, gid):
@@ -205,43 +243,62 @@ def _install_guards(tmpdir):
         if entry:
             roots.add(os.path.realpath(entry))
     read_roots = tuple(sorted(roots))
+    # Everything the guards use is bound here, so that rebinding a module-level name from
+    # user code (reachable through frames) does not change them.
     refused_events = dict(REFUSED_EVENTS)
+    refused_prefixes = tuple(REFUSED_PREFIXES)
+    write_path_events = dict(WRITE_PATH_EVENTS)
+    write_flags = WRITE_FLAGS
+    load_blocked, user_blocked = LOAD_BLOCKED, USER_BLOCKED
+    realpath, fsdecode, fspath, sep = os.path.realpath, os.fsdecode, os.fspath, os.sep
     violations = []
+
+    def as_path(obj):
+        if isinstance(obj, int):
+            return obj
+        try:
+            return fsdecode(fspath(obj))
+        except Exception:
+            return None
+
+    def inside(path, roots):
+        real = realpath(path)
+        return any(real == root or real.startswith(root.rstrip(sep) + sep) for root in roots)
 
     def refuse(message):
         violations.append(message)
         raise PermissionError(f"sandbox: {message}")
 
     def check_write(path):
-        p = _as_path(path)
-        if p is None or isinstance(p, int) or not _inside(p, write_roots):
+        p = as_path(path)
+        if p is None or isinstance(p, int) or not inside(p, write_roots):
             refuse(f"writing outside the sandbox directory is not allowed ({path!r})")
 
     def hook(event, args):
         message = refused_events.get(event)
         if message is not None:
             refuse(f"{message} ({event})")
-        for prefix, message in REFUSED_PREFIXES:
+        for prefix, message in refused_prefixes:
             if event.startswith(prefix):
                 refuse(f"{message} ({event})")
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & WRITE_FLAGS
+                isinstance(flags, int) and flags & write_flags
             )
-            p = _as_path(path)
+            p = as_path(path)
             if writing:
                 check_write(path)
             elif isinstance(p, int):
                 pass  # reading an already open descriptor
-            elif p is None or not _inside(p, read_roots):
+            elif p is None or not inside(p, read_roots):
                 refuse(f"reading outside the sandbox directory and the Python installation is not allowed ({path!r})")
         elif event in ("os.listdir", "os.scandir"):
-            p = _as_path(args[0]) if args else None
-            if isinstance(p, str) and not _inside(p, read_roots):
+            p = as_path(args[0]) if args else None
+            if isinstance(p, str) and not inside(p, read_roots):
                 refuse(f"listing outside the sandbox directory is not allowed ({p!r})")
-        elif event in WRITE_PATH_EVENTS:
-            for path in tuple(args)[: WRITE_PATH_EVENTS[event]]:
+        elif event in write_path_events:
+            for path in tuple(args)[: write_path_events[event]]:
                 check_write(path)
         elif event == "os.truncate" and args and not isinstance(args[0], int):
             check_write(args[0])
@@ -251,7 +308,7 @@ def _install_guards(tmpdir):
 
         @staticmethod
         def find_spec(name, path=None, target=None):
-            if name.partition(".")[0] in LOAD_BLOCKED:
+            if name.partition(".")[0] in load_blocked:
                 violations.append(f"import of {name!r} is not allowed")
                 raise ImportError(f"sandbox: import of {name!r} is not allowed", name=name)
             return None
@@ -259,24 +316,33 @@ def _install_guards(tmpdir):
     real_import = builtins.__import__
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and name.partition(".")[0] in USER_BLOCKED:
+        if level == 0 and name.partition(".")[0] in user_blocked:
             violations.append(f"import of {name!r} is not allowed")
             raise ImportError(f"sandbox: import of {name!r} is not allowed", name=name)
         return real_import(name, globals, locals, fromlist, level)
 
+    _stub_os(refuse)
     sys.meta_path.insert(0, BlockImports)
     sys.addaudithook(hook)
     return violations, guarded_import
 
 
 def main():
-    request = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    with open(sys.argv[1], "rb") as fh:
+        request = json.loads(fh.read().decode("utf-8"))
+    os.remove(sys.argv[1])
     code = request["code"]
     tmpdir = os.path.realpath(request["tmpdir"])
     cap = int(request["max_output_bytes"])
     memory_mb = int(request["memory_mb"])
     real_stdout = sys.stdout
-    result = {"value": None, "error": None, "network_isolated": False, "dropped_privileges": False}
+    result = {
+        "value": None,
+        "error": None,
+        "network_isolated": False,
+        "filesystem_isolated": False,
+        "dropped_privileges": False,
+    }
 
     # Parse and compile before any guard (needs nothing from outside).
     tail = body = None
@@ -293,8 +359,8 @@ def main():
         result["error"] = f"cannot compile the code: {type(exc).__name__}: {exc}"
     linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
 
-    if os.geteuid() == 0 and request.get("isolate_network", True):
-        result["network_isolated"] = _isolate_network()
+    if os.geteuid() == 0 and request.get("isolate", True):
+        result["network_isolated"], result["filesystem_isolated"] = _isolate(tmpdir)
     if os.geteuid() == 0 and request.get("drop_uid") is not None:
         result["dropped_privileges"] = _drop_privileges(int(request["drop_uid"]), int(request["drop_gid"]))
     _set_limits(request)
@@ -302,11 +368,12 @@ def main():
     stdout = _Capture(cap + 1)
     stderr = _Capture(cap + 1)
     if body is not None:
-        violations, guarded_import = _install_guards(tmpdir)
         user_builtins = dict(builtins.__dict__)
-        user_builtins["__import__"] = guarded_import
+        violations = []
+        if request.get("guards", True):  # off only in tests of the OS layers alone
+            violations, user_builtins["__import__"] = _install_guards(tmpdir)
         user_globals = {"__name__": "__main__", "__builtins__": user_builtins}
-        del guarded_import, user_builtins
+        del user_builtins
         sys.stdout = sys.__stdout__ = stdout
         sys.stderr = sys.__stderr__ = stderr
         sys.stdin = sys.__stdin__ = io.StringIO("")

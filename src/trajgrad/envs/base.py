@@ -183,7 +183,7 @@ def available_task_sources() -> List[str]:
 def get_task_source(name: str, **kwargs) -> TaskSource:
     """Build the task source registered under ``name`` (``"calculator"``, ``"guess"``, ...).
 
-    Keyword arguments go to the source's constructor (e.g. ``max_value=...``) and, for
+    Keyword arguments go to the source's constructor (e.g. ``ops_per_call=1``) and, for
     the built-ins, become the defaults of the environments made by ``make_env``.
     """
     if not isinstance(name, str):

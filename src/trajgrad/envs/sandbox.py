@@ -14,9 +14,11 @@ sandbox bounds every single call.
 2. **Operating-system limits, set in the child** (soft = hard, so they cannot be raised):
    ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_NPROC = 0`` (no
    fork, no threads), ``RLIMIT_FSIZE`` (``max_file_bytes``), ``RLIMIT_NOFILE = 64``.
-   When the parent runs as root the child additionally enters an empty network
-   namespace and drops to the ``nobody`` user (``RLIMIT_NPROC`` is not enforced for
-   root, and root ignores file permissions).
+   When the parent runs as root (``RLIMIT_NPROC`` is not enforced for root, and root
+   ignores file permissions) the child additionally enters an empty network namespace
+   and a private mount namespace in which ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
+   ``/run/lock`` are read-only (its own temporary directory stays writable), then drops
+   to the ``nobody`` user. Each step is best effort; ``last_run`` says which held.
 3. **In-process guards** (``sys.addaudithook`` in the child), which turn an attempt
    into a clear message for the agent: network use (``socket.*``: connect, bind,
    getaddrinfo, ...), process creation (``os.system``, ``subprocess.Popen``,
@@ -25,14 +27,25 @@ sandbox bounds every single call.
    write mode, ``os.remove``/``rename``/``mkdir``/...), and imports of ``os``,
    ``subprocess``, ``socket``, ``ctypes``, ``shutil``, ``multiprocessing`` (and a few
    similar modules) by user code, through a meta-path finder and a guarded
-   ``__import__`` installed after the runner's own imports. Audit hooks are not a
-   security boundary on their own in CPython; they report, and layers 1 and 2 hold.
+   ``__import__`` installed after the runner's own imports. Functions that touch the
+   file system or create processes without an audit event (``os.mkfifo``,
+   ``os.mknod``; also the ``fork``/``exec``/``spawn`` family) are replaced in ``os`` by
+   stubs that refuse.
+   Audit hooks are not a security boundary on their own in CPython (code can reach
+   interpreter internals); they make violations visible, and layers 1 and 2 hold.
 
 **Reads.** User code may read files inside its temporary directory and inside the
 Python installation (the prefixes and ``sys.path`` entries: needed for imports), plus
 ``/dev/null``, ``/dev/urandom``, ``/dev/zero``. Every other read (``/etc/passwd``,
 ``$HOME``) is refused with an error. Nothing outside the temporary directory is
 writable.
+
+**Imports.** The runner preloads math, cmath, fractions, decimal, statistics, random,
+re, json, itertools, functools, collections, heapq, bisect, datetime, string, copy and
+operator before any guard. After the privilege drop the child imports other modules
+only if ``nobody`` can read the Python installation; when it is private (for example
+under ``/root``) such an import fails with ``ModuleNotFoundError``, which the agent
+sees like any other error.
 
 **Results.** :meth:`SandboxedPython.run` never raises for bad or hostile code: every
 violation, limit or crash becomes ``ToolResult(output, error)`` with a message the agent
@@ -87,8 +100,9 @@ class SandboxedPython:
       max_output_bytes: cap on the text returned to the agent.
       max_file_bytes: cap on the size of any file the code writes (``RLIMIT_FSIZE``).
       max_code_chars: longer code is refused without starting a process.
-      drop_privileges: when running as root, run the child as ``nobody`` and in an
-        empty network namespace (default True; ignored when not root).
+      drop_privileges: when running as root, run the child as ``nobody``, in an empty
+        network namespace and with read-only world-writable directories (default True;
+        ignored when not root).
 
     Example::
 
@@ -128,6 +142,8 @@ class SandboxedPython:
         self.drop_privileges = bool(drop_privileges)
         # Bytes read from the child's pipes before it is killed as a flood.
         self._pipe_cap = 8 * max_output_bytes + (1 << 20)
+        # Tests switch this off to check that the OS layers hold on their own.
+        self._in_process_guards = True
         self.last_run: dict = {}
 
     def __call__(self, code: str) -> ToolResult:
@@ -141,7 +157,7 @@ class SandboxedPython:
           ``repr`` of a final expression's value (None is not shown); ``error`` is None
           on success, else one line such as ``"ZeroDivisionError: division by zero
           (line 1)"``, ``"sandbox: network access is not allowed (socket.connect)"``,
-          ``"CPU time limit exceeded (1 s)"`` or ``"wall-time limit exceeded (2.0 s)"``.
+          ``"CPU time limit exceeded (1 s); ..."`` or ``"wall-time limit exceeded (2 s); ..."``.
           ``self.last_run`` keeps details of the last run (wall time, exit code, ...).
         """
         if not isinstance(code_or_expression, str):
@@ -164,7 +180,8 @@ class SandboxedPython:
             "memory_mb": self.memory_mb,
             "max_output_bytes": self.max_output_bytes,
             "max_file_bytes": self.max_file_bytes,
-            "isolate_network": self.drop_privileges,
+            "isolate": self.drop_privileges,
+            "guards": self._in_process_guards,
             "drop_uid": None,
             "drop_gid": None,
         }
@@ -175,12 +192,18 @@ class SandboxedPython:
                 request["drop_uid"], request["drop_gid"] = ids
             except OSError:
                 pass
+        # The request travels in a file that only the (still privileged) runner reads and
+        # deletes before running any user code.
+        request_path = os.path.join(tmpdir, ".request.json")
+        fd = os.open(request_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(request, fh)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmpdir, "TMPDIR": tmpdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", _RUNNER],
-                stdin=subprocess.PIPE,
+                [sys.executable, "-I", "-B", _RUNNER, request_path],
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=tmpdir,
@@ -190,19 +213,22 @@ class SandboxedPython:
             )
         except OSError as exc:
             return ToolResult("", f"sandbox could not start ({exc})")
-        out, err, reason = self._communicate(proc, json.dumps(request).encode("utf-8"), start)
+        out, err, reason = self._communicate(proc, start)
         wall = time.monotonic() - start
-        self.last_run = {"wall_s": wall, "returncode": proc.returncode, "killed": reason, "stderr": err[-2000:].decode("utf-8", "replace")}
+        self.last_run = {
+            "wall_s": wall,
+            "returncode": proc.returncode,
+            "killed": reason,
+            "stderr": err[-2000:].decode("utf-8", "replace"),
+        }
         return self._interpret(proc.returncode, out, err, reason)
 
-    def _communicate(self, proc: subprocess.Popen, payload: bytes, start: float):
-        """Feed stdin, read both pipes up to a cap, enforce the wall time. Kills on overrun."""
+    def _communicate(self, proc: subprocess.Popen, start: float):
+        """Read both pipes up to a cap until EOF or the wall time; then kill the group.
+
+        The group is killed before the child is reaped, so its id cannot have been reused.
+        """
         reason = None
-        try:
-            proc.stdin.write(payload)
-            proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         chunks = {out_fd: [], err_fd: []}
         sizes = dict.fromkeys(chunks, 0)
@@ -211,7 +237,7 @@ class SandboxedPython:
         sel.register(proc.stderr, selectors.EVENT_READ)
         deadline = start + self.timeout_s
         try:
-            while sel.get_map():
+            while sel.get_map() and reason is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     reason = "wall"
@@ -226,25 +252,17 @@ class SandboxedPython:
                         reason = "flood"
                         break
                     chunks[key.fd].append(data)
-                if reason:
-                    break
-            if reason is None:
-                try:
-                    proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    reason = "wall"
+            if reason is None and not _exited_unreaped(proc.pid, deadline):
+                # Both pipes are closed, yet the child is still running.
+                reason = "wall"
         finally:
             sel.close()
+            # Kill whatever is left of the group while the leader is not reaped yet (a
+            # zombie keeps its process-group id reserved, so no unrelated group is hit).
             _kill_group(proc)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-                pass
+            proc.wait()
             for stream in (proc.stdout, proc.stderr):
-                try:
-                    stream.close()
-                except OSError:  # pragma: no cover
-                    pass
+                stream.close()
         return b"".join(chunks[out_fd]), b"".join(chunks[err_fd]), reason
 
     def _interpret(self, returncode: Optional[int], out: bytes, err: bytes, reason: Optional[str]) -> ToolResult:
@@ -270,7 +288,9 @@ class SandboxedPython:
         except ValueError:
             return ToolResult("", "the process returned a malformed result")
         self.last_run.update(
-            network_isolated=result.get("network_isolated"), dropped_privileges=result.get("dropped_privileges")
+            network_isolated=result.get("network_isolated"),
+            filesystem_isolated=result.get("filesystem_isolated"),
+            dropped_privileges=result.get("dropped_privileges"),
         )
         text = str(result.get("stdout", ""))
         stderr = str(result.get("stderr", ""))
@@ -294,6 +314,20 @@ def _truncate(text: str, cap: int):
     if len(data) <= cap:
         return text, False
     return data[:cap].decode("utf-8", "ignore"), True
+
+
+def _exited_unreaped(pid: int, deadline: float) -> bool:
+    """Wait (until ``deadline``) for ``pid`` to exit, leaving it unreaped."""
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if info is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -147,8 +147,9 @@ class ToolRegistry:
         Args:
           name: the tool the agent asked for.
           argument: its argument (text).
-          allowed: the task's allowlist; ``None`` allows every registered tool. A tool
-            not on the list returns an error result and is not run.
+          allowed: the task's allowlist (names; a single string is one name); ``None``
+            allows every registered tool. A tool not on the list returns an error result
+            and is not run.
           confirm: ``confirm(name, argument) -> bool`` for irreversible tools. ``None``
             refuses every irreversible call; a hook that raises refuses too.
 
@@ -168,6 +169,8 @@ class ToolRegistry:
         tool = self._tools.get(name) if isinstance(name, str) else None
         if tool is None:
             return ToolResult("", f"unknown tool {name!r}; available: {', '.join(self.names) or 'none'}")
+        if isinstance(allowed, str):
+            allowed = (allowed,)
         if allowed is not None and name not in set(allowed):
             return ToolResult("", f"tool {name!r} is not authorized for this task")
         if tool.irreversible:

@@ -6,7 +6,6 @@ Reward Model".
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -75,8 +75,10 @@ def gspo_loss(
       logp: ``[B, L]`` current log-probs (attached; gradient through :math:`s_i`).
       old_logp: ``[B, L]`` behaviour log-probs (detached here).
       advantages: ``[B]``, or ``[B, L]`` constant over each sequence's valid tokens
-        (detached here); anything else raises ``ValueError`` (use
-        :func:`gspo_token_loss`).
+        (to a relative tolerance of 1e-6; the first valid token's value is used);
+        detached here. Anything else raises ``ValueError`` (use
+        :func:`gspo_token_loss`). The constancy check reads values, so it is skipped
+        under ``trajgrad.validation(False)``.
       mask: ``[B, L]`` action mask.
       eps_low, eps_high: clip range on :math:`s_i`; defaults ``3e-4`` / ``4e-4`` are the
         GSPO paper's (tiny, because :math:`s_i` is a per-token geometric mean).

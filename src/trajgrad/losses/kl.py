@@ -3,13 +3,10 @@ r"""KL divergences to a reference policy: sampled estimators and the exact sum (
 Sampled estimators follow Schulman, "Approximating KL Divergence" (2020). For a token
 :math:`y\sim\pi` with :math:`z=\log\pi(y)-\log\pi_{ref}(y)`:
 
-======  =======================================  ==========================================
-kind    per-token value                          as an estimate of :math:`\mathrm{KL}(\pi\Vert\pi_{ref})`
-======  =======================================  ==========================================
-``k1``  :math:`z`                                unbiased; can be negative; high variance
-``k2``  :math:`\tfrac12 z^2`                     biased (low for close policies); :math:`\ge0`
-``k3``  :math:`e^{-z}-1+z`                       unbiased; :math:`\ge0`; low variance
-======  =======================================  ==========================================
+* ``k1`` :math:`=z`: unbiased; can be negative; high variance.
+* ``k2`` :math:`=\tfrac12 z^2`: biased (slightly, for close policies); :math:`\ge0`.
+* ``k3`` :math:`=e^{-z}-1+z`: unbiased (:math:`\mathbb E_\pi[e^{-z}]=1`); :math:`\ge0`;
+  low variance for close policies.
 
 Used as a *loss term* (gradient through :math:`\log\pi_\theta`, reference detached), with
 tokens sampled on-policy, their expected gradients differ, and only one is the gradient
@@ -30,7 +27,6 @@ of the reverse KL :math:`\nabla\mathrm{KL}(\pi_\theta\Vert\pi_{ref})
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

@@ -298,7 +298,12 @@ def _load_cache(cache: Path, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(str(cache))
     config._name_or_path = _SMOLLM2_NAME
     state = torch.load(cache / "weights.pt", map_location="cpu", weights_only=True, mmap=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:  # every parameter is overwritten below: skip the random initialization
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - depends on the transformers version
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

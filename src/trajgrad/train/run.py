@@ -27,7 +27,6 @@ def main(
     run_dir: Optional[Path] = None,
 ) -> int:
     from ..objective import explain
-    from .trainer import Trainer
 
     if resume is not None:
         resume = Path(resume)
@@ -42,6 +41,8 @@ def main(
     else:
         cfg = load_config(config, preset=preset, overrides=overrides)
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from .trainer import Trainer
+
     _console(f"run directory: {out_dir}")
     _console("objective optimized by every update of this run:\n")
     _console(explain(cfg.objective()))

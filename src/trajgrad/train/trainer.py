@@ -309,7 +309,18 @@ class Trainer:
         if not trajs:
             metrics["skipped"] = 1.0
             return metrics
-        batch = collate(trajs, self.pad_id)
+        metrics.update(self.learn(trajs))
+        dt = time.perf_counter() - t_step
+        metrics["time/step"] = dt
+        metrics["throughput/gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(metrics["time/generate"], 1e-9)
+        metrics["throughput/samples_per_s"] = len(trajs) / dt
+        return metrics
+
+    def learn(self, trajs: Sequence[Trajectory]) -> Dict[str, float]:
+        """One update from finished trajectories (used by the synchronous and asynchronous loops)."""
+        cfg, obj = self.cfg, self.objective
+        metrics: Dict[str, float] = {}
+        batch = collate(list(trajs), self.pad_id)
         B = len(batch)
         mask = batch.action_mask
         metrics["reward/mean"] = float(batch.rewards.mean())
@@ -369,10 +380,6 @@ class Trainer:
         metrics["time/update"] = time.perf_counter() - t0
         if self.lagrange is not None:
             self.lagrange.update(metrics["constraint/mean_cost"])
-        dt = time.perf_counter() - t_step
-        metrics["time/step"] = dt
-        metrics["throughput/gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(metrics["time/generate"], 1e-9)
-        metrics["throughput/samples_per_s"] = B / dt
         metrics["policy_version"] = float(self.policy_version)
         return metrics
 

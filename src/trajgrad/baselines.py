@@ -1,0 +1,259 @@
+r"""Baselines and group-relative advantages (spec §4, §5, §11, §12, §24).
+
+A baseline :math:`b` that does not depend on the sampled action leaves the policy gradient
+unbiased, :math:`\mathbb E[b\,\nabla\log\pi(a\mid h)\mid h]=0` (§5); subtracting it is a
+control variate, not a change of objective. *Dividing* by a per-group statistic is
+different: it reweights prompts (§12). Both choices are explicit arguments here.
+
+=================================  ========================================================
+``group_advantages(scale="std")``  :math:`A_i=(R_i-\bar R)/(s_R+\epsilon)`, GRPO (§11)
+``group_advantages(scale="none")`` :math:`A_i=R_i-\bar R`, Dr. GRPO (§12)
+``group_advantages(               :math:`A_i=(R_i-\bar R_g)/(s_{batch}+\epsilon)`, centred
+scale="batch_std")``               per group, scaled by the batch reward std
+``leave_one_out``                  :math:`A_i=R_i-\frac{1}{G-1}\sum_{k\ne i}R_k` (RLOO, §5)
+``broadcast_to_tokens``            ``turn_advantages.gather(1, turn_ids)`` (§4)
+=================================  ========================================================
+
+All rewards are evidence: they are detached and no output carries a gradient.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _checks
+
+__all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens"]
+
+SCALES = ("std", "none", "batch_std")
+
+
+class GroupAdvantages(NamedTuple):
+    """Result of :func:`group_advantages`.
+
+    Attributes:
+      advantages: same shape as ``rewards`` (``[N, G]`` or ``[M]``).
+      mean: ``[N]`` per-group mean reward :math:`\\bar R` (ragged input: one entry per group,
+        groups ordered by increasing group id, i.e. ``torch.unique(group_ids)``).
+      std: per-group population std :math:`s_R` (same layout as ``mean``); exactly 0 for
+        zero-variance groups.
+      zero_variance: per-group ``bool``, True when every reward in the group is equal (e.g.
+        all-fail / all-success under a binary verifier, §11). Such groups carry no relative
+        signal: their advantages are exactly 0. Count them (``zero_variance.sum()``) and
+        report them; dynamic sampling that resamples them changes which prompts are trained.
+    """
+
+    advantages: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    zero_variance: torch.Tensor
+
+
+def _rewards(rewards) -> torch.Tensor:
+    rewards = _checks.as_tensor("rewards", rewards)
+    if not rewards.is_floating_point():
+        if rewards.is_complex():
+            raise ValueError(f"rewards: expected a real tensor, got dtype {rewards.dtype}")
+        rewards = rewards.to(torch.get_default_dtype())
+    rewards = rewards.detach()
+    _checks.check_finite("rewards", rewards)
+    return rewards
+
+
+def _group_index(group_ids, size: int, device):
+    """``(inverse [M], counts [K])`` for integer ``group_ids`` ``[M]``."""
+    ids = _checks.as_tensor("group_ids", group_ids)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"group_ids: expected an integer tensor, got dtype {ids.dtype}")
+    _checks.check_shape("group_ids", ids, (size,), against="rewards")
+    _, inverse, counts = torch.unique(ids.to(device), sorted=True, return_inverse=True, return_counts=True)
+    return inverse, counts
+
+
+def _stats(rewards: torch.Tensor, group_ids):
+    """Per-group (mean, population std, zero_variance, group sums, counts) and the gather index.
+
+    Dense ``[N, G]`` input returns ``index=None``; ragged ``[M]`` input returns ``inverse``.
+    """
+    if group_ids is None:
+        _checks.check_ndim("rewards", rewards, 2)
+        if rewards.shape[1] == 0:
+            raise ValueError("rewards: empty group (G = 0 rollouts per prompt)")
+        count = torch.full((rewards.shape[0],), rewards.shape[1], dtype=rewards.dtype, device=rewards.device)
+        total = rewards.sum(-1)
+        mean = total / count
+        spread = rewards.amax(-1) - rewards.amin(-1)
+        var = ((rewards - mean[:, None]) ** 2).mean(-1)
+        index = None
+    else:
+        _checks.check_ndim("rewards", rewards, 1)
+        if rewards.shape[0] == 0:
+            raise ValueError("rewards: empty (no rollout in any group)")
+        index, counts = _group_index(group_ids, rewards.shape[0], rewards.device)
+        k = counts.shape[0]
+        count = counts.to(rewards.dtype)
+        total = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, index, rewards)
+        mean = total / count
+        sq = (rewards - mean[index]) ** 2
+        var = torch.zeros_like(total).index_add_(0, index, sq) / count
+        hi = torch.full_like(total, -torch.inf).scatter_reduce(0, index, rewards, "amax")
+        lo = torch.full_like(total, torch.inf).scatter_reduce(0, index, rewards, "amin")
+        spread = hi - lo
+    zero_variance = spread == 0
+    std = torch.where(zero_variance, torch.zeros_like(var), var.sqrt())
+    return mean, std, zero_variance, total, count, index
+
+
+def _per_item(x: torch.Tensor, index) -> torch.Tensor:
+    """Broadcast a per-group statistic to every rollout."""
+    return x[:, None] if index is None else x[index]
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    scale: str = "std",
+    eps: float = 1e-6,
+    leave_one_out: bool = False,
+    group_ids: Optional[torch.Tensor] = None,
+) -> GroupAdvantages:
+    r"""Group-relative advantages for ``G`` rollouts of each prompt (spec §11, §12, §5).
+
+    With :math:`\bar R=\frac1G\sum_iR_i` and the *population* std
+    :math:`s_R=\sqrt{\frac1G\sum_i(R_i-\bar R)^2}` of the group:
+
+    * ``scale="std"`` (GRPO, Shao et al. 2024; §11):
+      :math:`A_i=(R_i-\bar R)/(s_R+\epsilon)`.
+    * ``scale="none"`` (Dr. GRPO, Liu et al. 2025; §12): :math:`A_i=R_i-\bar R`. Keeps the
+      reward scale, so prompts with larger reward differences weigh more.
+    * ``scale="batch_std"``: :math:`A_i=(R_i-\bar R_g)/(s_{batch}+\epsilon)` with
+      :math:`s_{batch}` the population std of *all* rewards in the batch: centred per group,
+      one common scale, so the relative weight of prompts is preserved.
+
+    ``leave_one_out=True`` replaces the centring by the leave-one-out baseline (§5)
+    :math:`b_i=\frac{1}{G-1}\sum_{k\ne i}R_k`, which excludes rollout :math:`i` and so does
+    not couple :math:`A_i` to its own reward through the mean; note
+    :math:`R_i-b_i=\frac{G}{G-1}(R_i-\bar R)`. The scale (if any) is applied after.
+
+    Standardization is not neutral: ``"std"`` gives prompts with a tiny reward spread the
+    same advantage magnitude as prompts with a large one (§12), and it makes the
+    advantages invariant to multiplying the rewards by a positive constant, while
+    ``"none"`` scales with them. All modes are invariant to adding a constant (§24).
+
+    Zero-variance groups (every reward equal, e.g. all-fail or all-success, §11) have
+    ``std == 0``, ``zero_variance == True`` and advantages exactly 0 in every mode; they are
+    returned, never dropped.
+
+    Args:
+      rewards: ``[N, G]`` (``N`` prompts, ``G`` rollouts each), or ``[M]`` together with
+        ``group_ids`` for ragged groups. Detached.
+      scale: ``"std"`` (default, GRPO), ``"none"`` or ``"batch_std"``.
+      eps: :math:`\epsilon\ge0` added to the std (``eps=0`` is allowed: zero-variance groups
+        are still exactly 0, never 0/0).
+      leave_one_out: use the §5 baseline; every group needs at least 2 rollouts.
+      group_ids: ``[M]`` integer group label of each reward (any integers; groups are
+        reported in increasing id order).
+
+    Returns:
+      :class:`GroupAdvantages` ``(advantages, mean, std, zero_variance)``, all detached.
+    """
+    _checks.check_choice("scale", scale, SCALES)
+    eps = float(eps)
+    _checks.check_positive("eps", eps, allow_zero=True)
+    if eps == float("inf"):
+        raise ValueError("eps: must be finite")
+    rewards = _rewards(rewards)
+    mean, std, zero_variance, total, count, index = _stats(rewards, group_ids)
+    if leave_one_out:
+        if bool((count < 2).any()):
+            name = "rewards" if group_ids is None else "group_ids"
+            raise ValueError(f"{name}: leave-one-out needs at least 2 rollouts in every group")
+        baseline = (_per_item(total, index) - rewards) / (_per_item(count, index) - 1)
+    else:
+        baseline = _per_item(mean, index)
+    centred = rewards - baseline
+    if scale == "std":
+        denom = _per_item(std, index) + eps
+    elif scale == "batch_std":
+        batch_std = rewards.std(correction=0) if rewards.numel() > 1 else rewards.new_zeros(())
+        denom = (batch_std + eps).expand_as(rewards)
+    else:
+        denom = None
+    flat = _per_item(zero_variance, index).expand_as(rewards)
+    if denom is not None:
+        # Select a safe divisor where the result is replaced anyway (never 0/0).
+        centred = centred / torch.where(flat | (denom == 0), torch.ones_like(denom), denom)
+    advantages = torch.where(flat, torch.zeros_like(centred), centred)
+    return GroupAdvantages(advantages, mean, std, zero_variance)
+
+
+def leave_one_out(rewards: torch.Tensor, *, group_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    r"""Leave-one-out (RLOO) advantages (spec §5; Kool et al. 2019, Ahmadian et al. 2024).
+
+    .. math::
+        b_i = \frac{1}{G-1}\sum_{k\ne i}R_k,\qquad A_i = R_i - b_i.
+
+    :math:`b_i` excludes rollout :math:`i`, so it is independent of the action that produced
+    :math:`R_i` given the task, and the estimator is unbiased. Example (§5): rewards
+    ``[0, 1, 2]`` give ``[-1.5, 0, +1.5]``.
+
+    Args:
+      rewards: ``[N, G]`` with ``G >= 2``, or ``[M]`` with ``group_ids`` (every group >= 2).
+      group_ids: optional ``[M]`` integer group labels.
+
+    Returns:
+      Advantages with the shape of ``rewards`` (detached). A constant group gives exactly 0.
+    """
+    return group_advantages(rewards, scale="none", leave_one_out=True, group_ids=group_ids).advantages
+
+
+def broadcast_to_tokens(
+    turn_advantages: torch.Tensor,
+    turn_ids: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    r"""Give every action token the advantage of its turn (spec §4).
+
+    .. math:: A_{b,j} = \hat A_{b,\,\mathrm{turn}(b,j)}\quad(m_{b,j}=1),\qquad 0\ \text{otherwise},
+
+    i.e. ``turn_advantages.gather(1, turn_ids)``. The loss still distinguishes the tokens of
+    a turn through their log-probability gradients; equal advantages do not claim equal
+    causal effect (§4).
+
+    Args:
+      turn_advantages: ``[B, T]`` one advantage per semantic action (detached).
+      turn_ids: ``[B, L]`` integer turn index of each token, in ``[0, T)`` at valid
+        positions; ignored (may be -1 or anything) where ``mask == 0``.
+      mask: optional ``[B, L]`` 0/1 action mask (default all valid).
+
+    Returns:
+      ``[B, L]`` token advantages, exactly 0 where ``mask == 0``; detached.
+    """
+    adv = _checks.as_tensor("turn_advantages", turn_advantages)
+    _checks.check_ndim("turn_advantages", adv, 2)
+    _checks.check_floating("turn_advantages", adv)
+    adv = adv.detach()
+    ids = _checks.as_tensor("turn_ids", turn_ids)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"turn_ids: expected an integer tensor, got dtype {ids.dtype}")
+    _checks.check_ndim("turn_ids", ids, 2)
+    if ids.shape[0] != adv.shape[0]:
+        raise ValueError(
+            f"turn_ids: expected {adv.shape[0]} rows (the rows of turn_advantages), got shape {tuple(ids.shape)}"
+        )
+    if mask is None:
+        m = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    else:
+        m = _checks.check_mask("mask", mask, ids.shape)
+    n_turns = adv.shape[1]
+    bad = m & ((ids < 0) | (ids >= n_turns))
+    if bool(bad.any()):
+        value = ids[bad].flatten()[0].item()
+        raise ValueError(f"turn_ids: id {value} at a valid position is outside [0, {n_turns})")
+    if n_turns == 0:
+        return torch.zeros(ids.shape, dtype=adv.dtype, device=adv.device)
+    safe = torch.where(m, ids, torch.zeros_like(ids)).to(torch.long)
+    out = torch.gather(adv, 1, safe)
+    _checks.check_finite("turn_advantages", out, m)
+    return _checks.fill_masked(out, m)

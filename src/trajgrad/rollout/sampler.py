@@ -1,0 +1,591 @@
+r"""In-process multi-turn sampler that records exact behaviour log-probabilities (§4, §7, §16, §19).
+
+:class:`HFSampler` runs many episodes at once with a Hugging Face causal LM. At every
+turn the current token sequences of the active episodes are left padded and decoded with
+an explicit KV-cached loop. Each token is drawn from the *sampling distribution*
+
+.. math::
+
+   \mu(v\mid h) = \operatorname{softmax}\big(\texttt{sampling\_logits}(z; T, k, p)\big)_v,
+
+(temperature :math:`T`, then top-k, then top-p, exactly as ``generate()`` warps; see
+:func:`trajgrad.logprobs.sampling_logits`), and its behaviour log-prob
+:math:`\log\mu(x_j\mid x_{<j})` is recorded with the same operations as
+:func:`trajgrad.logprobs.token_logprobs`. The denominator of every importance ratio (§7)
+is therefore the probability of the distribution that actually sampled, and a learner
+that recomputes the log-probs with unchanged weights gets a ratio of exactly one (§24).
+
+Positions: a token's position id is its index among the non-padding tokens of its row
+(:func:`~trajgrad.rollout.collate.position_ids_from_attention_mask`), in the left-padded
+sampler and in the right-padded learner alike, so both evaluate the same function.
+
+Each action ends at ``<|im_end|>`` (kept as its last token) or is cut at
+``max_new_tokens`` (``Turn.cut``; the observation then starts with the ``<|im_end|>``
+that closes the message, a token the policy did not sample). The action text (without
+the end-of-turn token) goes to ``env.step``; the returned messages are appended as
+observation tokens (:func:`~trajgrad.rollout.chat.observation_ids`), never re-tokenized
+together with the action.
+
+Partial rollouts (§16): every turn records ``policy_version``, the value of
+:attr:`HFSampler.policy_version` when it was sampled; :meth:`set_policy_version` changes
+it between turns (e.g. after a weight sync).
+
+Compaction (§19): when ``info["compact"]`` holds a summary, the current sub-trace is
+closed after that action, and the episode continues in sub-trace ``segment + 1`` whose
+prompt is the first system message of the episode, a user message carrying the summary,
+then the messages the step returned (same ``episode_id``).
+
+Greedy decoding (``temperature == 0``): the argmax token is taken; the policy is then
+deterministic and the recorded behaviour log-prob is 0.0 (probability one). Such
+trajectories are for evaluation; an importance ratio against them is not defined by
+:func:`~trajgrad.logprobs.token_logprobs` (which requires ``temperature > 0``).
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .chat import decode_action, end_of_turn_id, observation_ids, prompt_ids
+from .collate import position_ids_from_attention_mask
+from .trajectory import Trajectory, Turn
+
+__all__ = ["HFSampler", "sample_actions"]
+
+
+def _validate_sampling(temperature, top_k, top_p, max_new_tokens) -> Tuple[float, Optional[int], Optional[float], int]:
+    if isinstance(temperature, bool):
+        raise ValueError(f"temperature: must be a non-negative number, got {temperature!r}")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature: must be a non-negative number, got {temperature!r}") from None
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"temperature: must be a finite non-negative number, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None:
+        if isinstance(top_p, bool):
+            raise ValueError(f"top_p: must lie in (0, 1], got {top_p!r}")
+        try:
+            p = float(top_p)
+        except (TypeError, ValueError):
+            raise ValueError(f"top_p: must lie in (0, 1], got {top_p!r}") from None
+        if not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p: must lie in (0, 1], got {top_p!r}")
+        top_p = p
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    return t, top_k, top_p, max_new_tokens
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters
+        return torch.device("cpu")
+
+
+def _cache_kwarg(model) -> str:
+    """Name of the forward argument that takes the KV cache (``cache`` in recent
+    transformers, ``past_key_values`` before)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    cache = out.get("cache") if hasattr(out, "get") else None
+    if cache is None:
+        cache = out.get("past_key_values") if hasattr(out, "get") else getattr(out, "past_key_values", None)
+    return cache
+
+
+class _Stepper:
+    """One KV-cached forward step returning float logits ``[B, V]`` of the last position.
+
+    With ``head_in_float32`` the backbone (``causal.model``) is run and its last hidden
+    state is multiplied by the float32 output embedding (cast once per call), matching a
+    learner that computes its head in float32.
+    """
+
+    def __init__(self, model, head_in_float32: bool):
+        self.model = model
+        self.cache_kw = _cache_kwarg(model)
+        self.cache = None
+        self.backbone = None
+        if head_in_float32:
+            causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+            backbone = getattr(causal, "model", None)
+            head = getattr(causal, "lm_head", None)
+            if backbone is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
+                self.backbone = backbone
+                self.backbone_cache_kw = _cache_kwarg(backbone)
+                self.weight = head.weight.detach().float()
+                bias = getattr(head, "bias", None)
+                self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, *, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        if self.backbone is not None:
+            if cache is not None:
+                kw[self.backbone_cache_kw] = cache
+            out = self.backbone(**kw)
+            self.cache = _output_cache(out)
+            h = out.last_hidden_state[:, -1, :].float()
+            logits = h @ self.weight.T
+            return logits if self.bias is None else logits + self.bias
+        if cache is not None:
+            kw[self.cache_kw] = cache
+        out = self.model(logits_to_keep=1, **kw)
+        self.cache = _output_cache(out)
+        return out.logits[:, -1, :].float()
+
+
+def _model_name(model) -> str:
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    return str(name) if name else type(model).__name__
+
+
+@torch.no_grad()
+def sample_actions(
+    model,
+    sequences: Sequence[Sequence[int]],
+    *,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    max_new_tokens: int = 64,
+    generator: Optional[torch.Generator] = None,
+    head_in_float32: bool = True,
+) -> List[Tuple[List[int], List[float], bool]]:
+    r"""Continue each token sequence with one sampled action (KV-cached, left padded).
+
+    Args:
+      model: a Hugging Face causal LM (``forward(input_ids, attention_mask, position_ids,
+        past_key_values, use_cache, logits_to_keep)``).
+      sequences: the contexts, one list of token ids per row (non-empty).
+      eos_ids: tokens that end an action (kept as its last token).
+      pad_id: id used for left padding (never attended).
+      temperature, top_k, top_p: the sampling distribution; ``temperature == 0`` is greedy.
+      max_new_tokens: cut an action after this many tokens.
+      generator: random generator on the model's device (reproducible draws).
+      head_in_float32: compute the logits as ``float32(h) @ float32(W_head)^T`` from the
+        final hidden state ``h`` (as the learner does), instead of the model's own
+        ``lm_head`` in its parameter dtype. Identical for float32 models; for bfloat16
+        models it removes the bf16 rounding of the logits (~1% on a ratio). Models
+        without ``.model`` / ``lm_head`` always use their own logits.
+
+    Returns:
+      per row ``(action_ids, behaviour_logp, cut)``: ``behaviour_logp[j]`` is
+      :math:`\log\mu(x_j\mid x_{<j})` under the warped distribution (0.0 when greedy);
+      ``cut`` is True when the action hit ``max_new_tokens`` before an end token.
+    """
+    from ..logprobs import sampling_logits
+
+    t, top_k, top_p, max_new_tokens = _validate_sampling(temperature, top_k, top_p, max_new_tokens)
+    if not sequences:
+        return []
+    device = _model_device(model)
+    B = len(sequences)
+    lengths = [len(s) for s in sequences]
+    if min(lengths) < 1:
+        raise ValueError("sequences: every sequence needs at least one token")
+    L = max(lengths)
+    input_ids = torch.full((B, L), int(pad_id), dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    for b, s in enumerate(sequences):
+        input_ids[b, L - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        attention_mask[b, L - len(s):] = 1
+    input_ids = input_ids.to(device)
+    attention_mask = attention_mask.to(device)
+    position_ids = position_ids_from_attention_mask(attention_mask)
+    eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
+
+    step_fn = _Stepper(model, head_in_float32)
+    logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=None)
+    past = step_fn.cache
+    next_pos = torch.as_tensor(lengths, dtype=torch.long, device=device)
+    alive = torch.arange(B, device=device)  # original row of each row still decoding
+    actions: List[List[int]] = [[] for _ in range(B)]
+    logps: List[List[float]] = [[] for _ in range(B)]
+    cut = [False] * B
+    can_prune = hasattr(past, "batch_select_indices")
+    done_rows = torch.zeros(B, dtype=torch.bool, device=device)  # used when the cache cannot prune
+
+    for step in range(max_new_tokens):
+        if t == 0.0:
+            token = logits.argmax(-1)
+            token_logp = torch.zeros(token.shape, dtype=torch.float32, device=device)
+        else:
+            warped = sampling_logits(logits, temperature=t, top_k=top_k, top_p=top_p)
+            probs = torch.softmax(warped, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            # the same operations as token_logprobs: z_y - logsumexp(z) on the warped logits
+            token_logp = warped.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(warped, dim=-1)
+        tok_list = token.tolist()
+        lp_list = token_logp.tolist()
+        rows = alive.tolist()
+        ended = torch.isin(token, eos)
+        last = step == max_new_tokens - 1
+        for i, r in enumerate(rows):
+            if not can_prune and bool(done_rows[i]):
+                continue
+            actions[r].append(tok_list[i])
+            logps[r].append(lp_list[i])
+            if last and not bool(ended[i]):
+                cut[r] = True
+        if last:
+            break
+        if can_prune:
+            keep = ~ended
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                idx = keep.nonzero().squeeze(-1)
+                past.batch_select_indices(idx)
+                attention_mask = attention_mask[idx]
+                token = token[idx]
+                next_pos = next_pos[idx]
+                alive = alive[idx]
+        else:
+            done_rows |= ended
+            if bool(done_rows.all()):
+                break
+        attention_mask = torch.cat(
+            [attention_mask, torch.ones((attention_mask.shape[0], 1), dtype=attention_mask.dtype, device=device)], dim=1
+        )
+        logits = step_fn(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None], cache=past)
+        past = step_fn.cache
+        next_pos = next_pos + 1
+    return [(actions[b], logps[b], cut[b]) for b in range(B)]
+
+
+@dataclass
+class _Episode:
+    task: Any
+    group_index: int
+    env: Any
+    episode_id: str
+    system: List[Dict[str, str]]
+    prompt: List[int]
+    tokens: List[int]
+    initial_potential: float
+    reset_seconds: float
+    segment: int = 0
+    turns: List[Turn] = field(default_factory=list)
+    closed: List[Trajectory] = field(default_factory=list)
+    n_turns: int = 0
+    done: bool = False
+    success: Optional[bool] = None
+
+
+def _potential(env) -> float:
+    fn = getattr(env, "potential", None)
+    if fn is None:
+        return 0.0
+    return float(fn())
+
+
+def _as_step_result(res) -> Tuple[List[Dict[str, str]], float, bool, bool, Dict[str, Any]]:
+    try:
+        messages, reward, terminated, truncated, info = res
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"env: step() must return StepResult(messages, reward, terminated, truncated, info), got {res!r}"
+        ) from None
+    reward = float(reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"env: step() returned a non-finite reward {reward}")
+    return list(messages or []), reward, bool(terminated), bool(truncated), dict(info or {})
+
+
+class HFSampler:
+    """Multi-turn, batched, KV-cached sampler for a Hugging Face causal LM.
+
+    Args:
+      model: a causal LM (``LlamaForCausalLM``, a PEFT wrapper of one, ...). Its device is
+        used for sampling; its mode is restored after each call.
+      tokenizer: the model's tokenizer (ChatML, ``<|im_end|>`` ends a turn).
+      temperature: :math:`T \ge 0`; 0 means greedy (behaviour log-prob 0.0).
+      top_k: keep the k most probable tokens (``None``: off).
+      top_p: nucleus mass in (0, 1] (``None``: off).
+      max_new_tokens: the most tokens of one action.
+      policy_version: recorded on every turn sampled (§16).
+      progress: show a progress bar over episodes.
+      max_batch_size: at most this many episodes per forward pass (``None``: all).
+      max_context_tokens: an episode whose context plus ``max_new_tokens`` would exceed
+        this is truncated (default: the model's ``max_position_embeddings``).
+      head_in_float32: logits from the float32 output embedding (see
+        :func:`sample_actions`); keep it equal to the learner's convention.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        max_new_tokens: int = 64,
+        policy_version: int = 0,
+        progress: bool = False,
+        max_batch_size: Optional[int] = None,
+        max_context_tokens: Optional[int] = None,
+        head_in_float32: bool = True,
+    ):
+        self.temperature, self.top_k, self.top_p, self.max_new_tokens = _validate_sampling(
+            temperature, top_k, top_p, max_new_tokens
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_id = end_of_turn_id(tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.progress = bool(progress)
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or int(max_batch_size) < 1):
+            raise ValueError(f"max_batch_size: must be a positive integer or None, got {max_batch_size!r}")
+        self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
+        if max_context_tokens is None:
+            max_context_tokens = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self.max_context_tokens = None if max_context_tokens is None else int(max_context_tokens)
+        self.head_in_float32 = bool(head_in_float32)
+        self.policy_version = 0
+        self.set_policy_version(policy_version)
+
+    # -------------------------------------------------------------------- settings
+    def set_policy_version(self, version: int) -> None:
+        """The version recorded on turns sampled from now on (after a weight update)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+        self.policy_version = version
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def sampling_params(self) -> Dict[str, Any]:
+        """What every trajectory records in ``Trajectory.sampling``."""
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "model": _model_name(self.model),
+            "greedy": self.greedy,
+        }
+
+    # -------------------------------------------------------------------- sampling
+    def _generate(self, seqs: List[List[int]], generator) -> List[Tuple[List[int], List[float], bool]]:
+        step = self.max_batch_size or len(seqs)
+        out: List[Tuple[List[int], List[float], bool]] = []
+        for start in range(0, len(seqs), step):
+            out.extend(
+                sample_actions(
+                    self.model,
+                    seqs[start:start + step],
+                    eos_ids=[self.eos_id],
+                    pad_id=self.pad_id,
+                    temperature=self.temperature,
+                    top_k=self.top_k,
+                    top_p=self.top_p,
+                    max_new_tokens=self.max_new_tokens,
+                    generator=generator,
+                    head_in_float32=self.head_in_float32,
+                )
+            )
+        return out
+
+    def rollout(
+        self,
+        task_source_or_env_factory: Union[Any, Callable[[], Any]],
+        tasks: Sequence[Any],
+        *,
+        group_size: int = 1,
+        seed: Optional[int] = None,
+    ) -> List[Trajectory]:
+        """Run ``len(tasks) * group_size`` episodes in one batch; return their sub-traces.
+
+        Args:
+          task_source_or_env_factory: a ``TaskSource`` (its ``make_env()`` is called) or a
+            zero-argument callable returning an ``Environment``; one fresh environment per
+            episode.
+          tasks: the ``Task`` objects.
+          group_size: episodes per task (a group shares ``task_id``).
+          seed: seeds the token draws (same seed, same model, same batch: same samples).
+
+        Returns:
+          the trajectories ordered by task, then group member, then segment. Every
+          trajectory of an episode carries the episode's final ``success``;
+          ``metadata`` holds ``group_index``, ``env``, ``initial_potential``,
+          ``episode_reward`` (summed over segments), ``num_segments``, ``compacted``.
+        """
+        make_env = getattr(task_source_or_env_factory, "make_env", None)
+        if make_env is None:
+            if not callable(task_source_or_env_factory):
+                raise ValueError(
+                    "task_source_or_env_factory: expected a TaskSource (with make_env) or a callable returning an Environment"
+                )
+            make_env = task_source_or_env_factory
+        tasks = list(tasks)
+        if not tasks:
+            raise ValueError("tasks: empty; nothing to roll out")
+        for task in tasks:
+            if not hasattr(task, "id") or not hasattr(task, "split"):
+                raise ValueError(f"tasks: expected Task objects, got {type(task).__name__}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size: must be a positive integer, got {group_size!r}")
+
+        device = _model_device(self.model)
+        generator = torch.Generator(device=device)
+        if seed is not None:
+            generator.manual_seed(int(seed))
+        else:
+            generator.seed()
+        sampling = dict(self.sampling_params(), seed=seed)
+        run = uuid.uuid4().hex[:10]
+
+        episodes: List[_Episode] = []
+        for task in tasks:
+            for g in range(group_size):
+                env = make_env()
+                t0 = time.perf_counter()
+                messages = list(env.reset(task))
+                reset_s = time.perf_counter() - t0
+                ids = prompt_ids(self.tokenizer, messages)
+                self._check_fits(ids, task)
+                system = [m for m in messages[:1] if m.get("role") == "system"]
+                episodes.append(
+                    _Episode(
+                        task=task, group_index=g, env=env, episode_id=f"{task.id}#{g}-{run}", system=system,
+                        prompt=ids, tokens=list(ids), initial_potential=_potential(env), reset_seconds=reset_s,
+                    )
+                )
+
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(episodes), desc="rollout", unit="episode", leave=False)
+        was_training = getattr(self.model, "training", False)
+        self.model.eval()
+        try:
+            active = list(episodes)
+            while active:
+                for ep in active:
+                    if self.max_context_tokens is not None and len(ep.tokens) + self.max_new_tokens > self.max_context_tokens:
+                        self._close(ep, terminated=False, truncated=True, sampling=sampling, reason="context")
+                active = [ep for ep in active if not ep.done]
+                if not active:
+                    break
+                version = self.policy_version
+                t0 = time.perf_counter()
+                results = self._generate([ep.tokens for ep in active], generator)
+                gen_s = time.perf_counter() - t0
+                for ep, (action, logp, cut) in zip(active, results):
+                    self._advance(ep, action, logp, cut, version, gen_s, sampling)
+                    if ep.done and bar is not None:
+                        bar.update(1)
+                active = [ep for ep in active if not ep.done]
+                if bar is not None:
+                    bar.set_postfix(active=len(active))
+        finally:
+            if was_training:
+                self.model.train()
+            if bar is not None:
+                bar.close()
+
+        out: List[Trajectory] = []
+        for ep in episodes:
+            total = float(sum(t.total_reward for t in ep.closed))
+            for tr in ep.closed:
+                tr.success = ep.success
+                tr.metadata["episode_reward"] = total
+                tr.metadata["num_segments"] = len(ep.closed)
+            out.extend(ep.closed)
+        return out
+
+    # -------------------------------------------------------------------- episode logic
+    def _check_fits(self, ids: List[int], task) -> None:
+        if self.max_context_tokens is not None and len(ids) + self.max_new_tokens > self.max_context_tokens:
+            raise ValueError(
+                f"tasks: the prompt of task {task.id!r} has {len(ids)} tokens; with max_new_tokens="
+                f"{self.max_new_tokens} it exceeds max_context_tokens={self.max_context_tokens}"
+            )
+
+    def _advance(self, ep: _Episode, action, logp, cut, version, gen_s, sampling) -> None:
+        text = decode_action(self.tokenizer, action, self.eos_id)
+        t0 = time.perf_counter()
+        messages, reward, terminated, truncated, info = _as_step_result(ep.env.step(text))
+        env_s = time.perf_counter() - t0
+        ep.n_turns += 1
+        max_turns = getattr(ep.env, "max_turns", None)
+        if not (terminated or truncated) and max_turns is not None and ep.n_turns >= int(max_turns):
+            truncated = True
+            info.setdefault("truncated_by", "max_turns")
+        done = terminated or truncated
+        summary = info.get("compact") if not done else None
+        if done or summary is not None:
+            obs: List[int] = []
+        else:
+            obs = observation_ids(self.tokenizer, messages, action_closed=not cut)
+        ep.turns.append(
+            Turn(
+                action_ids=action, observation_ids=obs, behaviour_logp=logp, policy_version=version,
+                reward=reward, info=info, action_text=text, cut=cut, gen_seconds=gen_s, env_seconds=env_s,
+            )
+        )
+        ep.tokens.extend(action)
+        ep.tokens.extend(obs)
+        if "success" in info and info["success"] is not None:
+            ep.success = bool(info["success"])
+        if done:
+            self._close(ep, terminated=terminated, truncated=truncated, sampling=sampling)
+        elif summary is not None:
+            self._close_segment(ep, sampling, compacted=True)
+            context = ep.system + [{"role": "user", "content": str(summary)}] + messages
+            ep.segment += 1
+            ep.prompt = prompt_ids(self.tokenizer, context)
+            self._check_fits(ep.prompt, ep.task)
+            ep.tokens = list(ep.prompt)
+            ep.initial_potential = _potential(ep.env)
+
+    def _close_segment(self, ep: _Episode, sampling, *, terminated=False, truncated=False, compacted=False) -> None:
+        task = ep.task
+        ep.closed.append(
+            Trajectory(
+                task_id=task.id, episode_id=ep.episode_id, segment=ep.segment, split=task.split,
+                prompt_ids=ep.prompt, turns=ep.turns, terminated=terminated, truncated=truncated,
+                sampling=dict(sampling),
+                metadata={
+                    "group_index": ep.group_index,
+                    "env": getattr(ep.env, "name", type(ep.env).__name__),
+                    "initial_potential": ep.initial_potential,
+                    "reset_seconds": ep.reset_seconds if ep.segment == 0 else 0.0,
+                    "compacted": compacted,
+                },
+            )
+        )
+        ep.turns = []
+
+    def _close(self, ep: _Episode, *, terminated: bool, truncated: bool, sampling, reason: str = "") -> None:
+        ep.done = True
+        if ep.turns:
+            self._close_segment(ep, sampling, terminated=terminated, truncated=truncated)
+        elif ep.closed:  # nothing sampled in the new segment: the previous one ends the episode
+            ep.closed[-1].truncated = ep.closed[-1].truncated or truncated
+            ep.closed[-1].terminated = ep.closed[-1].terminated or terminated
+        if reason and ep.closed:
+            ep.closed[-1].metadata["truncated_by"] = reason

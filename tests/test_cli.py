@@ -1,0 +1,56 @@
+"""The command line: explain, verify, example, and config errors of train."""
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from trajgrad.cli import app
+from trajgrad.objective import RECIPES
+
+runner = CliRunner()
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_explain_all_prints_twelve_recipes():
+    res = runner.invoke(app, ["explain", "--all"])
+    assert res.exit_code == 0, res.output
+    for name in RECIPES:
+        assert f"recipe: {name} " in res.output
+
+
+def test_explain_with_override_and_bad_override():
+    res = runner.invoke(app, ["explain", "dapo", "--set", "eps_high=0.4"])
+    assert res.exit_code == 0 and "1 + 0.4" in res.output
+    res = runner.invoke(app, ["explain", "dapo", "--set", "eps_hihg=0.4"])
+    assert res.exit_code == 2 and "eps_hihg" in res.output
+
+
+def test_verify_exit_codes():
+    ok = runner.invoke(app, ["verify", f"{EXAMPLES}/my_ppo_clip.py:ppo_loss", "--as", "ppo"])
+    assert ok.exit_code == 0, ok.output
+    assert "overall: PASS" in ok.output
+    bad = runner.invoke(app, ["verify", f"{EXAMPLES}/wrong_gspo_token.py:gspo_token_loss", "--as", "gspo_token"])
+    assert bad.exit_code == 1
+    assert "gradient         FAIL" in bad.output and "value            PASS" in bad.output
+    missing = runner.invoke(app, ["verify", "no_such_module_xyz:fn"])
+    assert missing.exit_code != 0
+
+
+def test_example_prints_spec_numbers():
+    res = runner.invoke(app, ["example"])
+    assert res.exit_code == 0
+    assert "-0.48581" in res.output and "1.10517" in res.output and "0.90484" in res.output
+
+
+def test_train_rejects_unknown_config_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  stpes: 3\n")
+    res = runner.invoke(app, ["train", str(cfg)])
+    assert res.exit_code == 2
+    assert "train.stpes: unknown key" in res.output
+
+
+def test_train_rejects_bad_value_naming_key():
+    res = runner.invoke(app, ["train", "--preset", "tiny", "--set", "optim.lr=-1"])
+    assert res.exit_code == 2 and "optim.lr" in res.output
+    res = runner.invoke(app, ["train", "--preset", "nope"])
+    assert res.exit_code == 2 and "preset" in res.output

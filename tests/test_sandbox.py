@@ -1,0 +1,444 @@
+"""Tests for trajgrad.envs.sandbox: the hostile suite and the safe arithmetic evaluator.
+
+Every hostile program must come back as a ToolResult error, quickly, with the parent
+process healthy and nothing written outside the sandbox's temporary directory.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import operator
+import os
+import select
+import socket
+import tempfile
+import time
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trajgrad.envs.sandbox import SandboxedPython, count_operations, format_number, safe_eval_arithmetic
+from trajgrad.envs.tools import ToolResult
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    # A generous wall time so that a loaded machine still hits the CPU/memory limits first.
+    return SandboxedPython(timeout_s=10.0, cpu_s=1, memory_mb=256, max_output_bytes=10_000)
+
+
+def run_timed(sb, code):
+    start = time.monotonic()
+    result = sb.run(code)
+    return result, time.monotonic() - start
+
+
+def sandbox_dirs():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "trajgrad-sandbox-*")))
+
+
+# --- normal use ---------------------------------------------------------------------------
+
+
+def test_expression_value(sandbox):
+    assert sandbox.run("2 ** 10") == ToolResult("1024", None)
+    assert sandbox.run("sum(i * i for i in range(4))") == ToolResult("14", None)  # 0 + 1 + 4 + 9
+
+
+def test_statements_print_and_last_value(sandbox):
+    result = sandbox.run("x = 6\nprint('x is', x)\nx * 7")
+    assert result == ToolResult("x is 6\n42", None)
+    # A final None is not shown; print alone gives just the printed text.
+    assert sandbox.run("print('hi')") == ToolResult("hi\n", None)
+    assert sandbox.run("x = 1") == ToolResult("", None)
+
+
+def test_preloaded_modules_are_usable(sandbox):
+    result = sandbox.run("import math, fractions\nmath.isqrt(17), str(fractions.Fraction(3, 6))")
+    assert result == ToolResult("(4, '1/2')", None)
+
+
+def test_errors_are_reported_with_the_line(sandbox):
+    result = sandbox.run("a = 1\nb = a / 0")
+    assert result.error == "ZeroDivisionError: division by zero (line 2)"
+    assert sandbox.run("def f(:").error.startswith("SyntaxError")
+    assert sandbox.run("raise SystemExit(3)").error == "SystemExit: 3"
+    assert sandbox.run("input()").error.startswith("EOFError")
+
+
+def test_output_before_an_error_is_kept(sandbox):
+    result = sandbox.run("print('partial')\nraise ValueError('bad')")
+    assert result == ToolResult("partial\n", "ValueError: bad (line 2)")
+
+
+def test_files_inside_the_temp_dir_are_allowed_and_removed(sandbox):
+    before = sandbox_dirs()
+    result = sandbox.run("open('notes.txt', 'w').write('abc')\nopen('notes.txt').read()")
+    assert result == ToolResult("'abc'", None)
+    assert sandbox_dirs() <= before  # the temporary directory was deleted
+
+
+def test_file_size_is_limited(sandbox):
+    result = sandbox.run("f = open('big', 'w')\nf.write('x' * 2_000_000)\nf.close()")
+    assert "File too large" in result.error
+
+
+def test_non_text_and_too_long_code_are_refused_without_a_process():
+    sb = SandboxedPython(max_code_chars=10)
+    assert "must be text" in sb.run(123).error
+    assert "too long" in sb.run("1 + 1 + 1 + 1").error
+
+
+def test_bad_configuration_raises_value_error():
+    with pytest.raises(ValueError, match="timeout_s"):
+        SandboxedPython(timeout_s=0)
+    with pytest.raises(ValueError, match="cpu_s"):
+        SandboxedPython(cpu_s=0.5)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxedPython(memory_mb=8)
+    with pytest.raises(ValueError, match="max_output_bytes"):
+        SandboxedPython(max_output_bytes=0)
+
+
+# --- the hostile suite ---------------------------------------------------------------------
+
+
+def test_infinite_loop_is_killed_by_the_cpu_limit(sandbox):
+    result, elapsed = run_timed(sandbox, "while True:\n    pass")
+    assert result.output == ""
+    assert "CPU time limit exceeded (1 s)" in result.error
+    assert elapsed < 10.0
+
+
+def test_sleeping_code_is_killed_by_the_wall_limit():
+    sb = SandboxedPython(timeout_s=1.0)
+    result, elapsed = run_timed(sb, "import time\ntime.sleep(60)")
+    assert result.error == "wall-time limit exceeded (1 s); the process was killed"
+    assert elapsed < 4.0
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nwhile True:\n    os.fork()",
+        "import sys\nos = sys.modules['os']\nwhile True:\n    os.fork()",
+        "import sys\nsys.modules['os'].system('echo escaped')",
+        "import sys\nos = sys.modules['os']\nos.execv('/bin/sh', ['sh', '-c', 'echo escaped'])",
+        "import sys\nos = sys.modules['os']\nos.posix_spawn('/bin/sh', ['sh'], {})",
+        "import sys\nsys.modules['os'].kill(1, 9)",
+    ],
+    ids=["fork-bomb", "fork-via-sys-modules", "system", "exec", "posix-spawn", "kill"],
+)
+def test_process_creation_is_refused(sandbox, code):
+    result, elapsed = run_timed(sandbox, code)
+    assert "not allowed" in result.error
+    assert "escaped" not in result.output
+    assert elapsed < 5.0
+
+
+def test_memory_bomb_single_allocation(sandbox):
+    result, elapsed = run_timed(sandbox, "x = 'x' * 10**10")
+    assert result.error == "MemoryError: memory limit exceeded (256 MB)"
+    assert elapsed < 5.0
+
+
+def test_memory_bomb_growing_list(sandbox):
+    result, elapsed = run_timed(sandbox, "chunks = []\nwhile True:\n    chunks.append(' ' * 10**6)")
+    assert "MemoryError" in result.error or "CPU time" in result.error
+    assert elapsed < 10.0
+
+
+@pytest.mark.parametrize("where", ["tmp", "home", "etc"])
+def test_writes_outside_the_temp_dir_are_refused(sandbox, where):
+    name = f"trajgrad-escape-{uuid.uuid4().hex}.txt"
+    target = {
+        "tmp": os.path.join(tempfile.gettempdir(), name),
+        "home": os.path.join(os.path.expanduser("~"), name),
+        "etc": "/etc/passwd",
+    }[where]
+    before = _digest(target)
+    for code in (
+        f"open({target!r}, 'a').write('pwned')",
+        f"import sys\nos = sys.modules['os']\nos.open({target!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import sys\nsys.modules['os'].remove({target!r})",
+        f"import sys\nsys.modules['os'].truncate({target!r}, 0)",
+    ):
+        result = sandbox.run(code)
+        assert "writing outside the sandbox directory is not allowed" in result.error, code
+        assert _digest(target) == before
+
+
+def test_file_functions_without_audit_events_are_refused(sandbox):
+    target = os.path.join(tempfile.gettempdir(), f"trajgrad-fifo-{uuid.uuid4().hex}")
+    result = sandbox.run(f"import sys\nsys.modules['os'].mkfifo({target!r})")
+    assert "creating special files is not allowed (os.mkfifo)" in result.error
+    assert not os.path.exists(target)
+
+
+def test_reads_outside_are_refused(sandbox):
+    result = sandbox.run("open('/etc/passwd').read()")
+    assert "reading outside the sandbox directory" in result.error
+    assert "root:" not in result.output
+    result = sandbox.run(f"open({os.path.join(os.path.expanduser('~'), '.bashrc')!r}).read()")
+    assert "reading outside" in result.error
+
+
+def test_violation_caught_by_user_code_is_still_reported(sandbox):
+    result = sandbox.run(
+        "try:\n    open('/tmp/x-trajgrad', 'w')\nexcept Exception:\n    pass\nprint('carried on')"
+    )
+    assert result.output == "carried on\n"
+    assert result.error.startswith("sandbox: writing outside the sandbox directory")
+
+
+def test_network_connection_to_localhost_is_refused(sandbox):
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    try:
+        for code in (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}))",
+            f"s = __import__('socket')\ns.create_connection(('127.0.0.1', {port}))",
+            f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/')",
+            f"import http.client\nhttp.client.HTTPConnection('127.0.0.1', {port}).request('GET', '/')",
+        ):
+            result = sandbox.run(code)
+            assert result.error is not None, code
+        ready, _, _ = select.select([server], [], [], 0.2)
+        assert ready == []  # nobody ever connected
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("module", ["os", "subprocess", "socket", "ctypes", "shutil", "multiprocessing"])
+def test_dangerous_imports_are_refused(sandbox, module):
+    result = sandbox.run(f"import {module}")
+    assert f"import of '{module}' is not allowed" in result.error
+
+
+@pytest.mark.parametrize("code", ["from os import path", "__import__('os')", "import os.path as p"])
+def test_other_import_forms_are_refused(sandbox, code):
+    error = sandbox.run(code).error
+    assert "import of 'os" in error and "is not allowed" in error
+
+
+def test_import_machinery_is_not_a_way_around(sandbox):
+    assert "import of 'importlib' is not allowed" in sandbox.run("import importlib").error
+    assert "import of 'gc' is not allowed" in sandbox.run("import gc").error
+
+
+def test_large_output_is_truncated_to_the_cap(sandbox):
+    result, elapsed = run_timed(sandbox, "import sys\nsys.stdout.write('x' * 10**8)")
+    assert result.output == "x" * 10_000
+    assert result.error == "output truncated to 10000 bytes"
+    assert elapsed < 8.0
+    result = sandbox.run("for _ in range(100):\n    print('y' * 10**6)")
+    assert len(result.output.encode()) == 10_000 and set(result.output) == {"y"}
+    assert "truncated" in result.error
+    result = sandbox.run("'z' * 20_000")
+    assert len(result.output) == 10_000 and "truncated" in result.error
+
+
+def test_raw_descriptor_flood_is_killed_by_the_parent(sandbox):
+    result, elapsed = run_timed(sandbox, "import sys\nos = sys.modules['os']\nos.write(1, b'x' * 10**8)")
+    assert result.error == "output limit exceeded (10000 bytes); the process was killed"
+    assert elapsed < 8.0
+
+
+def test_guards_hold_without_privilege_drop():
+    """The in-process guards alone (what a non-root user gets) contain the same attacks."""
+    sb = SandboxedPython(timeout_s=10.0, drop_privileges=False)
+    target = os.path.join(tempfile.gettempdir(), f"trajgrad-escape-{uuid.uuid4().hex}.txt")
+    assert "not allowed" in sb.run("import sys\nsys.modules['os'].fork()").error
+    assert "not allowed" in sb.run(f"open({target!r}, 'w').write('x')").error
+    assert not os.path.exists(target)
+    assert "import of 'socket' is not allowed" in sb.run("import urllib.request").error
+    assert sb.run("6 * 7") == ToolResult("42", None)
+    assert sb.last_run["dropped_privileges"] is False
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="privilege drop and namespaces apply to a root parent only")
+def test_root_parent_runs_the_child_unprivileged_and_isolated(sandbox):
+    assert sandbox.run("1") == ToolResult("1", None)
+    assert sandbox.last_run["dropped_privileges"] is True
+    assert sandbox.last_run["network_isolated"] is True
+    assert sandbox.last_run["filesystem_isolated"] is True
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="privilege drop and namespaces apply to a root parent only")
+def test_os_layers_hold_without_the_in_process_guards():
+    """With the audit hook and import guards off, the OS layers alone still contain the code."""
+    sb = SandboxedPython(timeout_s=10.0)
+    sb._in_process_guards = False
+    name = f"trajgrad-escape-{uuid.uuid4().hex}"
+    outside = os.path.join(tempfile.gettempdir(), name)
+    # RLIMIT_NPROC = 0 for the unprivileged user: no fork, no shell, no thread.
+    assert "BlockingIOError" in sb.run("import os\nos.fork()").error
+    result = sb.run("import os\nos.system('echo x > made.txt')\nos.path.exists('made.txt')")
+    assert result == ToolResult("False", None)
+    assert "can't start new thread" in sb.run("import _thread\n_thread.start_new_thread(print, ())").error
+    # Read-only mounts over the world-writable directories; permissions elsewhere.
+    assert "Read-only file system" in sb.run(f"open({outside!r}, 'w')").error
+    assert "Read-only file system" in sb.run("open('../' + 'escape.txt', 'w')").error
+    assert "Permission denied" in sb.run("open('/etc/passwd', 'a')").error
+    assert not os.path.exists(outside)
+    # The temporary directory stays writable.
+    assert sb.run("open('ok.txt', 'w').write('fine')") == ToolResult("4", None)
+
+
+def test_parent_is_healthy_after_the_hostile_suite(sandbox):
+    before = sandbox_dirs()
+    result, elapsed = run_timed(sandbox, "sum(range(101))")
+    assert result == ToolResult("5050", None)
+    assert elapsed < 5.0
+    assert sandbox_dirs() <= before
+
+
+def _digest(path):
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+# --- safe arithmetic ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "expr, expected",
+    [
+        ("2 + 3 * 4", 14),
+        ("(2 + 3) * 4", 20),
+        ("7 // 2", 3),
+        ("-7 // 2", -4),
+        ("7 % 3", 1),
+        ("-7 % 3", 2),
+        ("2 ** 10", 1024),
+        ("2 ** -1", 0.5),
+        ("7 / 2", 3.5),
+        ("-(3)", -3),
+        ("+4 - -4", 8),
+        ("1.5 * 2", 3.0),
+        ("12 + 7 * 31 - 5", 224),
+        ("  100 - 1  ", 99),
+    ],
+)
+def test_safe_eval_values(expr, expected):
+    value = safe_eval_arithmetic(expr)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_exact_integer_division_stays_an_integer():
+    assert safe_eval_arithmetic("6 / 3") == 2 and isinstance(safe_eval_arithmetic("6 / 3"), int)
+    assert safe_eval_arithmetic("1 / 3") == pytest.approx(0.3333333333333333)
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "x",
+        "__import__('os')",
+        "abs(-1)",
+        "(1).real",
+        "'a'",
+        "True",
+        "[1]",
+        "1 if 1 else 2",
+        "1 < 2",
+        "1 << 2",
+        "1 & 2",
+        "1j",
+        "1_000",
+        "lambda: 1",
+        "",
+        "1 +",
+    ],
+)
+def test_safe_eval_rejects_everything_but_arithmetic(expr):
+    with pytest.raises(ValueError, match="expr"):
+        safe_eval_arithmetic(expr)
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "9 ** 9 ** 9",
+        "10 ** 5000",
+        "2 ** 4097",
+        "2 ** 4096 * 2 ** 4096",
+        "2.0 ** 100000",
+        "1e308 * 10",
+        "1 / 0",
+        "1 // 0",
+        "1 % 0",
+        "0 ** -1",
+        "(-8) ** 0.5",
+        "(" * 300 + "1" + ")" * 300,
+        "1 + " * 600 + "1",
+    ],
+)
+def test_safe_eval_rejects_huge_or_undefined(expr):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="expr"):
+        safe_eval_arithmetic(expr)
+    assert time.monotonic() - start < 1.0
+
+
+def test_safe_eval_rejects_non_strings():
+    with pytest.raises(ValueError, match="expr"):
+        safe_eval_arithmetic(12)
+
+
+def test_count_operations_and_format_number():
+    assert count_operations("1 + 2 * 3") == 2
+    assert count_operations("-5") == 0
+    assert count_operations("(-5) * -2") == 1
+    assert format_number(3.0) == "3"
+    assert format_number(3.5) == "3.5"
+    assert format_number(1 / 3) == "0.333333333333"
+    assert format_number(-12) == "-12"
+
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv, "%": operator.mod}
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.integers(-10**6, 10**6), b=st.integers(-10**6, 10**6), op=st.sampled_from(sorted(_OPS)))
+def test_safe_eval_matches_python_integer_arithmetic(a, b, op):
+    text = f"{a} {op} ({b})"
+    if op in ("//", "%") and b == 0:
+        with pytest.raises(ValueError, match="expr"):
+            safe_eval_arithmetic(text)
+        return
+    assert safe_eval_arithmetic(text) == _OPS[op](a, b)
+
+
+def _trees(depth):
+    """(text, value, number of operations) of random fully parenthesized expressions."""
+    leaf = st.integers(0, 999).map(lambda v: (str(v), v, 0))
+    if depth == 0:
+        return leaf
+
+    def combine(args):
+        (lt, lv, ln), op, (rt, rv, rn) = args
+        return (f"({lt}) {op} ({rt})", _OPS[op](lv, rv), ln + rn + 1)
+
+    return st.one_of(
+        leaf, st.tuples(_trees(depth - 1), st.sampled_from(["+", "-", "*"]), _trees(depth - 1)).map(combine)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=_trees(3))
+def test_safe_eval_of_nested_expressions(tree):
+    text, value, n_ops = tree
+    assert safe_eval_arithmetic(text) == value
+    assert count_operations(text) == n_ops
