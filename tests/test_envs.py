@@ -563,3 +563,16 @@ def test_guess_bad_arguments():
         env.reset(Task("g", "train", "guess", 40, {"upper": 32}))
     with pytest.raises(RuntimeError):
         env.step("<guess>1</guess>")  # no episode yet
+
+
+def test_calculator_system_prompt_option():
+    from trajgrad.envs import get_task_source
+
+    src = get_task_source("calculator", few_shot=False, system_prompt="")
+    task = src.tasks("train", 1, 0)[0]
+    msgs = src.make_env().reset(task)
+    assert [m["role"] for m in msgs] == ["user"]
+    src2 = get_task_source("calculator", few_shot=False, system_prompt="Use <calc>.")
+    assert src2.make_env().reset(task)[0] == {"role": "system", "content": "Use <calc>."}
+    with pytest.raises(ValueError, match="system_prompt"):
+        get_task_source("calculator", system_prompt=3)

@@ -391,3 +391,24 @@ def test_bad_inputs_raise_naming_the_argument():
     bad_b[0] = float("nan")
     with pytest.raises(ValueError, match="bias"):
         fused_entropy(h, w, bias=bad_b)
+
+
+def test_finite_check_has_no_false_positive_on_overflowing_sums():
+    # huge but finite values overflow a float32 sum; the exact check must then accept them
+    h = torch.ones(1, 2, 2)
+    w = torch.full((3, 2), 3e38)
+    w[1] = -3e38
+    out = fused_entropy(h, w)
+    assert out.shape == (1, 2)
+    w[2, 0] = float("inf")
+    with pytest.raises(ValueError, match="weight"):
+        fused_entropy(h, w)
+    w[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight"):
+        fused_entropy(h, w)
+    hh = torch.full((1, 3, 2), 3e38)
+    hh[0, 1, 1] = float("-inf")
+    w_ok = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="hidden"):
+        fused_entropy(hh, w_ok, mask=torch.tensor([[1, 1, 0]]))
+    fused_entropy(hh, w_ok, mask=torch.tensor([[1, 0, 1]]))  # the inf row is masked

@@ -78,3 +78,26 @@ def test_dpo_and_opd_references():
     def wrong_beta(c, r, rc, rr):
         return losses.dpo_loss(c, r, rc, rr, beta=0.2)
     assert not verify(wrong_beta, "dpo").passed
+
+
+def test_opd_reference_accepts_exact_kl_and_rejects_sampled_token_kl():
+    def exact(student_logits, teacher_logits, mask):
+        return losses.reverse_kl_distill_loss(student_logits=student_logits, teacher_logits=teacher_logits, mask=mask)
+    rep = verify(exact, "opd")
+    assert rep.passed, rep.table()
+
+    def sampled(student_logits, teacher_logits, mask):
+        # the sampled-token approximation at the argmax token: a different objective (§14)
+        y = student_logits.detach().argmax(-1, keepdim=True)
+        s = torch.log_softmax(student_logits, -1).gather(-1, y).squeeze(-1)
+        t = torch.log_softmax(teacher_logits, -1).gather(-1, y).squeeze(-1)
+        return losses.sampled_token_kl(s, t, mask).loss
+    assert not verify(sampled, "opd").passed
+
+
+def test_a_raising_implementation_fails_cleanly():
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+    for ref in ("ppo", "dpo", "opd"):
+        rep = verify(broken, ref)
+        assert not rep.passed and "boom" in rep.table()

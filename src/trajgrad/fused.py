@@ -152,21 +152,27 @@ def _flat_rows(mask: Optional[torch.Tensor], n: int, device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 
 
-def check_finite_blocks(name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                        block: int = 4096) -> None:
-    """``_checks.check_finite`` over blocks of the first dimension.
+def check_finite_fast(name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+    """Same contract as ``_checks.check_finite`` (``mask`` has ``x``'s leading shape), in one pass.
 
-    Same error, but the temporary boolean tensor covers one block at a time instead of the
-    whole (possibly vocabulary-sized) tensor. ``mask``, if given, has ``x``'s leading shape.
+    A sum is NaN or infinite whenever one of its terms is, so a finite sum (over everything,
+    or per last-dimension row when ``mask`` is given) proves finiteness with a single
+    reduction and no temporary of ``x``'s size. Only a non-finite sum (a bad value, or a
+    genuine overflow of huge finite values) triggers the exact element-wise check, on the
+    suspicious rows only.
     """
-    if not _checks.values_checked() or not x.is_floating_point():
+    if not _checks.values_checked() or not x.is_floating_point() or x.numel() == 0:
         return
-    if x.ndim == 0 or x.shape[0] <= block:
-        _checks.check_finite(name, x, None if mask is None else mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)))
-        return
-    for a, b in _chunks(x.shape[0], block):
-        m = None if mask is None else mask[a:b].reshape(mask[a:b].shape + (1,) * (x.ndim - mask.ndim))
-        _checks.check_finite(name, x[a:b], m)
+    with torch.no_grad():
+        if mask is None:
+            if bool(torch.isfinite(x.sum())):
+                return
+            _checks.check_finite(name, x)
+            return
+        row_sums = x.reshape(mask.shape + (-1,)).sum(-1)
+        suspicious = ~torch.isfinite(row_sums) & mask
+        if bool(suspicious.any()) and not bool(torch.isfinite(x.reshape(mask.shape + (-1,))[suspicious]).all()):
+            raise ValueError(f"{name}: contains NaN or inf at a valid (mask=1) position")
 
 
 def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: str, bias,
@@ -191,9 +197,9 @@ def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: st
         bias = _checks.as_tensor(bias_name, bias)
         _checks.check_floating(bias_name, bias)
         _checks.check_shape(bias_name, bias, (weight.shape[0],))
-        _checks.check_finite(bias_name, bias)
-    check_finite_blocks(weight_name, weight)
-    check_finite_blocks(hidden_name, hidden, mask)
+        check_finite_fast(bias_name, bias)
+    check_finite_fast(weight_name, weight)
+    check_finite_fast(hidden_name, hidden, mask)
     return hidden, weight, bias
 
 
@@ -272,18 +278,23 @@ class _PositionwiseFn(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         V = weight.shape[0]
         gh = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+        gw = None
+        if need_w:   # with one vocabulary block the first chunk assigns it (no zero fill)
+            gw = torch.empty(0) if (vchunk >= V and rows.numel()) else torch.zeros(weight.shape, dtype=cdt,
+                                                                                   device=weight.device)
         gb = torch.zeros(V, dtype=cdt, device=weight.device) if (need_b and bias is not None) else None
         grad_out = grad_out.to(cdt)
+        step = V if vchunk >= V else vchunk
         for a, b in _chunks(rows.numel(), chunk):
             r = rows[a:b]
+            n = r.numel()
             h = hidden.index_select(0, r)
-            gr = grad_out.index_select(0, r) * inv_t          # d out / d z scale per row
-            hw = h.to(cdt) * gr[:, None] if (gw is not None) else None
+            gr = grad_out.index_select(0, r) * inv_t          # per-row scale of d out / d z
+            neg_hw = h.to(cdt) * gr.neg()[:, None] if gw is not None else None
             lse = lse_all[a:b]
             shift = lse - out.index_select(0, r) if kind == "entropy" else None  # lse - H
-            gh_rows = torch.zeros(r.numel(), hidden.shape[1], dtype=cdt, device=hidden.device) if gh is not None else None
-            step = V if vchunk >= V else vchunk
+            y = targets.index_select(0, r) if kind == "logprob" else None
+            gh_rows = None
             for v0, v1 in _chunks(V, step):
                 zb = _logits(h, weight, bias, inv_t, cdt, v0, v1 if step < V else None)
                 if step >= V:
@@ -291,26 +302,26 @@ class _PositionwiseFn(torch.autograd.Function):
                 else:
                     pb = zb.sub(lse[:, None]).exp_()
                 if kind == "logprob":
-                    Gb = pb                       # d logp / d z = onehot - p; the onehot is added below
+                    # Gb = p - onehot(y) = -(d logp / d z), the one-hot folded in place
+                    Gb = pb
+                    inside = ((y >= v0) & (y < v1)).nonzero().squeeze(1)
+                    if inside.numel():
+                        Gb[inside, y[inside] - v0] -= 1.0
                 else:
                     Gb = zb.sub_(shift[:, None]).mul_(pb)   # p (log p + H) = -(d H / d z)
-                # both kinds: d out / d z_block = (onehot) - Gb
-                if gh_rows is not None:
-                    gh_rows -= _mm(Gb, weight[v0:v1], cdt)
+                del zb
+                if gh is not None:
+                    part = _mm(Gb, weight[v0:v1], cdt)
+                    gh_rows = part if gh_rows is None else gh_rows.add_(part)
                 if gw is not None:
-                    gw[v0:v1].addmm_(Gb.T, hw, alpha=-1.0)
+                    if step >= V and a == 0:
+                        gw = Gb.T @ neg_hw                  # first chunk: no zero fill needed
+                    else:
+                        gw[v0:v1].addmm_(Gb.T, neg_hw)
                 if gb is not None:
                     gb[v0:v1].addmv_(Gb.T, gr, alpha=-1.0)
-            if kind == "logprob":
-                y = targets.index_select(0, r)
-                if gh_rows is not None:
-                    gh_rows += weight.index_select(0, y).to(cdt)
-                if gw is not None:
-                    gw.index_add_(0, y, hw)
-                if gb is not None:
-                    gb.index_add_(0, y, gr)
             if gh is not None:
-                gh.index_copy_(0, r, gh_rows * gr[:, None])
+                gh.index_copy_(0, r, gh_rows.mul_(gr.neg()[:, None]))
         return (None if gh is None else gh.to(hidden.dtype),
                 None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(bias.dtype),
@@ -476,21 +487,24 @@ def _log_mix_over_w(x: torch.Tensor, w: float) -> torch.Tensor:
     return _log_mix(x, w).div_(w)
 
 
-def _divergence_chunk(zs, zt, kind, beta, normalized, need_grad):
+def _divergence_chunk(logits, kind, beta, normalized, need_grad):
     """Per-row divergence, student/teacher entropies and d(divergence)/d(zs) for one chunk.
 
-    ``zs``, ``zt`` are temperature-scaled logits ``[n, V]`` (their buffers are reused).
-    Notation: ``ls = log pi_s``, ``lt = log pi_t``, ``e = ls - lt``.
+    ``logits = [zs, zt]``: temperature-scaled logits ``[n, V]``, taken out of the list so
+    that their buffers can be reused or freed early (at most three ``[n, V]`` buffers are
+    alive for the KLs). Notation: ``ls = log pi_s``, ``lt = log pi_t``, ``e = ls - lt``.
     """
+    zs, zt = logits.pop(0), logits.pop(0)
     pt, lse_t = _softmax_lse(zt)
     ent_t = lse_t - _row_dot(pt, zt)
+    if kind == "reverse_kl":
+        del pt                                           # only its entropy was needed
     ps, lse_s = _softmax_lse(zs)
     ent_s = lse_s - _row_dot(ps, zs)
     e = zs.sub_(zt).sub_((lse_s - lse_t)[:, None])     # ls - lt, in zs's buffer
-    del zt
+    del zt, zs
     grad = None
     if kind == "reverse_kl":
-        del pt
         div = _row_dot(ps, e)                            # sum ps (ls - lt)
         if need_grad:                                    # ps * ((ls - lt) - KL)
             grad = e.sub_(div[:, None]).mul_(ps)
@@ -548,10 +562,9 @@ class _DivergenceFn(torch.autograd.Function):
             for a, b in _chunks(n, chunk):
                 r = rows[a:b]
                 xs = s_x.index_select(0, r)
-                zs = _logits(xs, s_w, s_b, inv_t, cdt, owned=True)
-                zt = _logits(_rows_of(teacher, r), teacher.weight, teacher.bias, inv_t, cdt, owned=True)
-                div, es, et, G = _divergence_chunk(zs, zt, kind, beta, normalized, need)
-                del zs, zt
+                logits = [_logits(xs, s_w, s_b, inv_t, cdt, owned=True),
+                          _logits(_rows_of(teacher, r), teacher.weight, teacher.bias, inv_t, cdt, owned=True)]
+                div, es, et, G = _divergence_chunk(logits, kind, beta, normalized, need)
                 div_all[a:b] = div
                 ent_s_all[a:b] = es
                 ent_t_all[a:b] = et

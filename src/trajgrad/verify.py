@@ -278,8 +278,11 @@ def _verify_dpo(loss_fn, recipe: Objective, *, seed, atol, rtol) -> VerifyReport
         xs = [-torch.rand(B, generator=gen, dtype=torch.float64) * 20 for _ in range(4)]
         a = [x.clone().requires_grad_(True) for x in xs[:2]]
         b = [x.clone().requires_grad_(True) for x in xs[:2]]
-        v = _scalar(loss_fn(a[0], a[1], xs[2], xs[3]))
-        ga = torch.autograd.grad(v, a)
+        try:
+            v = _scalar(loss_fn(a[0], a[1], xs[2], xs[3]))
+            ga = torch.autograd.grad(v, a)
+        except Exception as exc:
+            return VerifyReport(recipe.name, [Check("value", False, math.inf, f"loss_fn raised {type(exc).__name__}: {exc}")])
         rv = recipe.dpo_loss(b[0], b[1], xs[2], xs[3]).loss
         gb = torch.autograd.grad(rv, b)
         dv, dg = _maxdev(v.detach(), rv.detach()), max(_maxdev(ga[0], gb[0]), _maxdev(ga[1], gb[1]))
@@ -305,8 +308,11 @@ def _verify_opd(loss_fn, recipe: Objective, *, seed, atol, rtol) -> VerifyReport
         s = torch.randn(B, L, V, generator=gen, dtype=torch.float64)
         t = torch.randn(B, L, V, generator=gen, dtype=torch.float64)
         s1 = s.clone().requires_grad_(True)
-        v = _scalar(loss_fn(s1, t, mask))
-        (g,) = torch.autograd.grad(v, s1)
+        try:
+            v = _scalar(loss_fn(s1, t, mask))
+            (g,) = torch.autograd.grad(v, s1)
+        except Exception as exc:  # the implementation failed on valid input
+            return VerifyReport(recipe.name, [Check("value", False, math.inf, f"loss_fn raised {type(exc).__name__}: {exc}")])
         s2 = s.clone().requires_grad_(True)
         rv = recipe.distill_loss(student_logits=s2, teacher_logits=t, mask=mask).loss
         (rg,) = torch.autograd.grad(rv, s2)

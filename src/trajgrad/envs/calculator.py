@@ -77,6 +77,9 @@ class CalculatorConfig:
       correct_potential: :math:`\Phi` once a correct intermediate value was returned.
       require_call: if True, a correct answer counts only after at least one successful
         calculator call (otherwise it is judged like a wrong answer).
+      system_prompt: ``None`` for the built-in instructions, a string to replace them, or
+        ``""`` for no system message (small models trained by SFT learn the format from
+        the demonstrations and need no instructions).
     """
 
     min_ops: int = 2
@@ -92,8 +95,11 @@ class CalculatorConfig:
     few_shot: bool = True
     correct_potential: float = 0.5
     require_call: bool = False
+    system_prompt: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"system_prompt: expected a string or None, got {type(self.system_prompt).__name__}")
         if not (isinstance(self.min_ops, int) and isinstance(self.max_ops, int) and 1 <= self.min_ops <= self.max_ops):
             raise ValueError(f"min_ops: expected integers 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
         if self.max_ops > 8:
@@ -263,7 +269,8 @@ class CalculatorEnv:
         self._reached_intermediate = False
         self._targets = set(_intermediate_values(expression))
         self.tools.clear_log()
-        messages: List[Message] = [{"role": "system", "content": _system_prompt(self.config)}]
+        system = _system_prompt(self.config) if self.config.system_prompt is None else self.config.system_prompt
+        messages: List[Message] = [{"role": "system", "content": system}] if system else []
         if self.config.few_shot:
             expr, value = _EXAMPLE_SINGLE if self.config.ops_per_call == 1 else _EXAMPLE_MULTI
             messages += [

@@ -21,9 +21,19 @@ explicit ``aggregation=`` (and optional global ``denominator=``), and returns
 * ``dpo_loss`` (§10): :math:`-\log\sigma(\hat r_w-\hat r_l)`, mean over pairs.
 * ``value_loss`` (§20.3): :math:`\frac12(V-R)^2`, optionally clipped; default
   ``token_mean``.
+* ``reverse_kl_distill_loss`` (§14, exact over the vocabulary, chunked),
+  ``forward_kl_distill_loss``, ``jsd_distill_loss``, ``sampled_token_kl`` (a different
+  objective), ``multi_teacher_distill_loss`` (§15); default ``token_mean``.
 * ``kl_estimate`` (k1/k2/k3) and ``exact_kl`` (§9, §14); ``LagrangeMultiplier`` (§22).
 """
 from ..types import LossResult
+from .distill import (
+    forward_kl_distill_loss,
+    jsd_distill_loss,
+    multi_teacher_distill_loss,
+    reverse_kl_distill_loss,
+    sampled_token_kl,
+)
 from .dpo import dpo_loss, sequence_logp
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
@@ -48,4 +58,9 @@ __all__ = [
     "exact_kl",
     "value_loss",
     "LagrangeMultiplier",
+    "reverse_kl_distill_loss",
+    "forward_kl_distill_loss",
+    "jsd_distill_loss",
+    "sampled_token_kl",
+    "multi_teacher_distill_loss",
 ]

@@ -52,7 +52,7 @@ import torch
 
 from .. import _checks
 from ..aggregate import MODES, aggregate
-from ..fused import Head, check_finite_blocks, check_head, check_sizes, head_entropy, weighted_divergence
+from ..fused import Head, check_finite_fast, check_head, check_sizes, head_entropy, weighted_divergence
 from ..types import LossResult
 
 __all__ = [
@@ -106,7 +106,7 @@ def _make_head(ln, hn, wn, bn, logits, hidden, weight, bias, mask, *, detach: bo
                              f"dimension), got {tuple(logits.shape)}")
         if logits.shape[2] < 1:
             raise ValueError(f"{ln}: the vocabulary is empty")
-        check_finite_blocks(ln, logits, mask)
+        check_finite_fast(ln, logits, mask)
         if detach:
             logits = logits.detach()
         return Head(logits.reshape(B * L, logits.shape[2]))

@@ -32,6 +32,7 @@ __all__ = [
     "encode",
     "decode_action",
     "end_of_turn_id",
+    "demonstration_trajectory",
 ]
 
 IM_START = "<|im_start|>"
@@ -125,3 +126,48 @@ def decode_action(tokenizer, action_ids: Sequence[int], eos_id: int) -> str:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 render_prompt = prompt_ids
+
+
+def demonstration_trajectory(tokenizer, source, task, *, env=None):
+    """A :class:`~trajgrad.rollout.trajectory.Trajectory` of a task's demonstration (SFT, DPO).
+
+    The prompt is the environment's initial conversation (``env.reset(task)``, a fresh
+    ``source.make_env()`` unless ``env`` is given); ``source.demonstration(task)`` must be
+    a list of messages starting with an assistant message. Each assistant message becomes
+    an action (its content tokens + ``<|im_end|>``); the messages up to the next assistant
+    message become that turn's observation, exactly as the sampler would append them.
+
+    The tokens were not sampled by a policy: ``behaviour_logp`` holds 0.0 placeholders and
+    ``policy_version`` is -1. Use it for likelihood terms (SFT, DPO), never as the
+    behaviour of an importance ratio. ``success`` is True, rewards are 0,
+    ``metadata["demonstration"]`` is True.
+    """
+    from .trajectory import NO_VERSION, Trajectory, Turn
+
+    env = source.make_env() if env is None else env
+    messages = list(env.reset(task))
+    demo = _check_messages("demonstration", source.demonstration(task), allow_empty=False)
+    if demo[0]["role"] != "assistant":
+        raise ValueError(f"demonstration: must start with an assistant message, got role {demo[0]['role']!r}")
+    eos = end_of_turn_id(tokenizer)
+    turns = []
+    i = 0
+    while i < len(demo):
+        j = i + 1
+        while j < len(demo) and demo[j]["role"] != "assistant":
+            j += 1
+        action = encode(tokenizer, demo[i]["content"]) + [eos]
+        following = demo[i + 1:j]
+        last = j >= len(demo)
+        if last and not following:
+            obs = []
+        else:
+            obs = observation_ids(tokenizer, following, add_generation_prompt=not last)
+        turns.append(Turn(action_ids=action, observation_ids=obs, behaviour_logp=[0.0] * len(action),
+                          policy_version=NO_VERSION, action_text=demo[i]["content"]))
+        i = j
+    return Trajectory(
+        task_id=task.id, episode_id=f"{task.id}#demo", split=getattr(task, "split", "train"),
+        prompt_ids=prompt_ids(tokenizer, messages), turns=turns, terminated=True, success=True,
+        sampling={"demonstration": True}, metadata={"demonstration": True, "env": getattr(env, "name", "")},
+    )

@@ -43,7 +43,7 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
 
 @dataclass
 class RolloutBatch:
-    """A right-padded batch of trajectories.
+    r"""A right-padded batch of trajectories.
 
     Attributes (``B`` trajectories, ``T`` the longest token sequence, ``K`` the most turns):
       input_ids: ``[B, T]`` long, right padded with ``pad_id``.

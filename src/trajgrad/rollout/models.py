@@ -144,11 +144,11 @@ def build_tiny_model(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if hidden_size % heads:
-        raise ValueError(f"hidden_size: must be divisible by heads ({heads}), got {hidden_size}")
     for name, v in (("hidden_size", hidden_size), ("layers", layers), ("heads", heads)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size: must be divisible by heads ({heads}), got {hidden_size}")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     config = LlamaConfig(

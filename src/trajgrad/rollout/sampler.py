@@ -312,7 +312,7 @@ def _as_step_result(res) -> Tuple[List[Dict[str, str]], float, bool, bool, Dict[
 
 
 class HFSampler:
-    """Multi-turn, batched, KV-cached sampler for a Hugging Face causal LM.
+    r"""Multi-turn, batched, KV-cached sampler for a Hugging Face causal LM.
 
     Args:
       model: a causal LM (``LlamaForCausalLM``, a PEFT wrapper of one, ...). Its device is
@@ -582,6 +582,12 @@ class HFSampler:
 
     def _close(self, ep: _Episode, *, terminated: bool, truncated: bool, sampling, reason: str = "") -> None:
         ep.done = True
+        if reason == "context" and ep.turns:
+            # nothing was generated after the last observation: drop it, so that the
+            # trajectory itself fits in the context window
+            last = ep.turns[-1]
+            del ep.tokens[len(ep.tokens) - len(last.observation_ids):]
+            last.observation_ids = []
         if ep.turns:
             self._close_segment(ep, sampling, terminated=terminated, truncated=truncated)
         elif ep.closed:  # nothing sampled in the new segment: the previous one ends the episode

@@ -71,7 +71,7 @@ def _json_default(obj: Any) -> Any:
 
 @dataclass(kw_only=True)
 class Turn:
-    """One action of the policy and the observation that followed it.
+    r"""One action of the policy and the observation that followed it.
 
     Attributes:
       action_ids: the sampled token ids, verbatim. Ends with the end-of-turn token

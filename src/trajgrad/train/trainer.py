@@ -41,7 +41,7 @@ from ..diagnostics import explained_variance
 from ..losses import LagrangeMultiplier, kl_estimate, value_loss
 from ..objective import Objective
 from ..rollout import HFSampler, RolloutBatch, Trajectory, TrajectoryLog, collate
-from ..rollout.chat import demonstration_trajectory
+from .demos import demonstration_trajectory
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .metrics import MetricsLogger
@@ -470,7 +470,7 @@ class Trainer:
                 logp = self._logprobs(mb).logp
                 loss = aggregate(-logp, mb.action_mask, "token_mean", denominator=den)
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
             opt.step()
             losses.append(total)

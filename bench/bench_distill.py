@@ -1,0 +1,311 @@
+"""Peak memory and time: exact reverse-KL distillation and target log-probs from hidden states,
+fused (chunked, trajgrad.fused) against the naive full-logit PyTorch path.
+
+Every (what, V, L, method) configuration runs in its own subprocess, one at a time. The
+subprocess builds its float32 inputs (student and teacher hidden states ``[1, L, H]``,
+heads ``[V, H]``, H = 896), runs a small warm-up, resets the kernel's peak-RSS counter
+(``/proc/self/clear_refs``), records its baseline RSS, runs forward + backward once
+(memory and time), then again ``--repeats - 1`` times (time only; the minimum is reported).
+Net peak = peak RSS - baseline. Results (loss values, token log-probs, gradient samples) are
+compared across methods: values must agree to 1e-5 relative.
+
+Usage (not part of the test suite; the naive V=151936, L=4096 case needs ~13 GB)::
+
+    python bench/bench_distill.py                      # all configurations, writes bench/results/distill.md
+    python bench/bench_distill.py --vocab 32768 --length 1024 --what kl --out /tmp/x.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+H = 896
+
+
+# ---------------------------------------------------------------------------------------
+# worker (runs in a subprocess)
+# ---------------------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _inputs(torch, what, V, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(1, L, H, generator=g)
+    ws = torch.randn(V, H, generator=g) / H ** 0.5 * 2.0
+    if what == "kl":
+        ht = torch.randn(1, L, H, generator=g)
+        wt = torch.randn(V, H, generator=g) / H ** 0.5 * 2.0
+        return hs, ws, ht, wt
+    y = torch.randint(0, V, (1, L), generator=g)
+    return hs, ws, y
+
+
+def _naive_kl(torch, hs, ws, ht, wt, mask, chunk):
+    with torch.no_grad():
+        lt = torch.log_softmax(ht @ wt.T, -1)
+    ls = torch.log_softmax(hs @ ws.T, -1)
+    kl = (ls.exp() * (ls - lt)).sum(-1)
+    loss = kl[mask].mean()
+    loss.backward()
+    return loss.detach(), None
+
+
+def _fused_kl(torch, hs, ws, ht, wt, mask, chunk):
+    from trajgrad.losses.distill import reverse_kl_distill_loss
+
+    res = reverse_kl_distill_loss(student_hidden=hs, student_weight=ws, teacher_hidden=ht, teacher_weight=wt,
+                                  mask=mask, chunk_size=chunk)
+    res.loss.backward()
+    return res.loss.detach(), None
+
+
+def _naive_lp(torch, hs, ws, y, mask, chunk):
+    lp = torch.log_softmax(hs @ ws.T, -1).gather(-1, y[..., None]).squeeze(-1)
+    (lp.sum() / lp.numel()).backward()
+    return lp.detach().sum(), lp.detach()
+
+
+def _fused_lp(torch, hs, ws, y, mask, chunk):
+    from trajgrad.fused import fused_token_logprobs
+
+    lp = fused_token_logprobs(hs, ws, y, chunk_size=chunk, mask=mask)
+    (lp.sum() / lp.numel()).backward()
+    return lp.detach().sum(), lp.detach()
+
+
+FNS = {("kl", "naive"): _naive_kl, ("kl", "fused"): _fused_kl, ("lp", "naive"): _naive_lp,
+       ("lp", "fused"): _fused_lp}
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fn = FNS[(args.what, args.method)]
+    # warm-up on a short sequence (thread pools, allocator, kernels)
+    small = _inputs(torch, args.what, args.vocab, 64, seed=1)
+    small = [t.requires_grad_() if t.is_floating_point() and i in (0, 1) else t for i, t in enumerate(small)]
+    fn(torch, *small, torch.ones(1, 64, dtype=torch.bool), args.chunk)
+    del small
+    inputs = _inputs(torch, args.what, args.vocab, args.length)
+    inputs = [t.requires_grad_() if t.is_floating_point() and i in (0, 1) else t for i, t in enumerate(inputs)]
+    mask = torch.ones(1, args.length, dtype=torch.bool)
+    reset_ok = _reset_peak()
+    base_rss = _status_kb("VmRSS")
+    base_hwm = _status_kb("VmHWM")
+    t0 = time.perf_counter()
+    value, per_token = fn(torch, *inputs, mask, args.chunk)
+    t1 = time.perf_counter()
+    peak = _status_kb("VmHWM")
+    times = [t1 - t0]
+    hs, ws = inputs[0], inputs[1]
+    grad_h = hs.grad.detach().clone()
+    grad_w_rows = ws.grad[:: max(1, args.vocab // 256)].detach().clone()
+    for _ in range(args.repeats - 1):
+        hs.grad = None
+        ws.grad = None
+        t0 = time.perf_counter()
+        fn(torch, *inputs, mask, args.chunk)
+        times.append(time.perf_counter() - t0)
+    torch.save({"value": value, "per_token": per_token, "grad_h": grad_h, "grad_w_rows": grad_w_rows},
+               args.tensors)
+    print(json.dumps({
+        "time_s": min(times), "times_s": times, "peak_kb": peak, "base_rss_kb": base_rss,
+        "base_hwm_kb": base_hwm, "hwm_reset": reset_ok, "value": float(value),
+        "threads": torch.get_num_threads(),
+    }))
+
+
+# ---------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------
+
+
+def _mem_available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2 ** 20
+    return float("nan")
+
+
+def _naive_estimate_gb(what: str, V: int, L: int) -> float:
+    per = V * L * 4 / 2 ** 30
+    return (6 if what == "kl" else 4) * per + 2 * V * H * 4 / 2 ** 30
+
+
+def _run_one(what, method, V, L, chunk, repeats, threads, tmpdir):
+    tensors = os.path.join(tmpdir, f"{what}_{method}_{V}_{L}.pt")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--what", what, "--method", method,
+           "--vocab", str(V), "--length", str(L), "--chunk", str(chunk), "--repeats", str(repeats),
+           "--tensors", tensors]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"], "rc": proc.returncode}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["tensors"] = tensors
+    return out
+
+
+def _compare(torch, a_path, b_path):
+    a, b = torch.load(a_path), torch.load(b_path)
+    rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))  # noqa: E731
+    out = {"value_rel": float(abs(a["value"] - b["value"]) / max(abs(float(b["value"])), 1e-30)),
+           "grad_h_rel": rel(a["grad_h"], b["grad_h"]), "grad_w_rel": rel(a["grad_w_rows"], b["grad_w_rows"])}
+    if a["per_token"] is not None:
+        x, y = a["per_token"], b["per_token"]
+        out["per_token_rel"] = float(((x - y).abs() / y.abs().clamp_min(1e-30)).max())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tensors", help=argparse.SUPPRESS)
+    ap.add_argument("--method", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--what", default="kl,lp", help="comma list of: kl (reverse KL), lp (token log-probs)")
+    ap.add_argument("--vocab", default="32768,151936", help="comma list of vocabulary sizes")
+    ap.add_argument("--length", default="1024,4096", help="comma list of sequence lengths")
+    ap.add_argument("--chunk", default="256", help="fused chunk_size (positions); a comma list runs each")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (min reported)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--reserve-gb", type=float, default=3.0,
+                    help="skip a naive run unless MemAvailable exceeds its estimate by this much")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distill.md"))
+    args = ap.parse_args()
+    if args.worker:
+        args.vocab, args.length, args.chunk = int(args.vocab), int(args.length), int(args.chunk)
+        worker(args)
+        return
+
+    import torch
+    from tqdm import tqdm
+
+    whats = [w for w in args.what.split(",") if w]
+    vocabs = [int(v) for v in args.vocab.split(",")]
+    lengths = [int(v) for v in args.length.split(",")]
+    chunks = [int(c) for c in args.chunk.split(",")]
+    plan = [(w, V, L) for w in whats for V in vocabs for L in lengths]
+    rows = []
+    started = datetime.datetime.now()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        bar = tqdm(total=len(plan) * (1 + len(chunks)), desc="bench", unit="run")
+        for what, V, L in plan:
+            need = _naive_estimate_gb(what, V, L)
+            avail = _mem_available_gb()
+            bar.set_postfix_str(f"{what} V={V} L={L} naive")
+            if avail < need + args.reserve_gb:
+                naive = {"error": [f"skipped: needs ~{need:.1f} GB, {avail:.1f} GB available"]}
+            else:
+                naive = _run_one(what, "naive", V, L, 0, args.repeats, args.threads, tmp)
+            bar.update(1)
+            for chunk in chunks:
+                bar.set_postfix_str(f"{what} V={V} L={L} fused chunk={chunk}")
+                fused = _run_one(what, "fused", V, L, chunk, args.repeats, args.threads, tmp)
+                bar.update(1)
+                cmp = {}
+                if "error" not in naive and "error" not in fused:
+                    cmp = _compare(torch, fused["tensors"], naive["tensors"])
+                rows.append({"what": what, "V": V, "L": L, "chunk": chunk, "naive": naive, "fused": fused,
+                             "cmp": cmp})
+                tqdm.write(json.dumps({k: v for k, v in rows[-1].items()}, default=str))
+        bar.close()
+    load_after = os.getloadavg()
+    _write(args, rows, started, load_before, load_after)
+
+
+def _gb(kb):
+    return kb / 2 ** 20
+
+
+def _write(args, rows, started, load_before, load_after) -> None:
+    import torch
+
+    cmd = "python bench/bench_distill.py " + " ".join(a for a in sys.argv[1:])
+    threads = rows[0]["fused"].get("threads", torch.get_num_threads()) if rows else torch.get_num_threads()
+    lines = [
+        "# Exact distillation and target log-probs from hidden states: fused vs naive",
+        "",
+        f"- command: `{cmd.strip()}`",
+        f"- date: {started:%Y-%m-%d %H:%M}; torch {torch.__version__}; threads {threads}; "
+        f"CPU cores visible {os.cpu_count()}; {platform.machine()}",
+        f"- load average (1/5/15 min) before: {' / '.join(f'{x:.1f}' for x in load_before)}, "
+        f"after: {' / '.join(f'{x:.1f}' for x in load_after)} (the machine is shared; times are noisy)",
+        f"- float32, H = {H}, B = 1, all positions valid; forward + backward; time = min over "
+        f"{args.repeats} run(s) in the same process after a warm-up; memory = peak RSS (VmHWM) of a separate "
+        "subprocess per configuration, raw and net of the baseline measured after imports and input allocation",
+        "- naive KL: `lt = log_softmax(ht @ Wt.T)` (no grad), `ls = log_softmax(hs @ Ws.T)`, "
+        "`((ls.exp() * (ls - lt)).sum(-1)).mean()`; fused KL: `reverse_kl_distill_loss(student_hidden=..., "
+        "teacher_hidden=...)`",
+        "- naive log-probs: `log_softmax(hs @ W.T).gather(-1, y)`; fused: `fused_token_logprobs`",
+        "- agree: relative difference of the loss / per-token log-probs (must be <= 1e-5), and of the "
+        "hidden-state and head-weight gradients (max-abs difference over max-abs value)",
+        "",
+    ]
+    for what, title in (("kl", "Reverse KL, student + teacher heads"), ("lp", "Target log-probs")):
+        sel = [r for r in rows if r["what"] == what]
+        if not sel:
+            continue
+        lines += [f"## {title}", "",
+                  "| V | L | chunk | naive time s | fused time s | time ratio | naive peak GB raw / net | "
+                  "fused peak GB raw / net | net memory ratio | value rel diff | grad rel diff (h / W) |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in sel:
+            n, f, c = r["naive"], r["fused"], r["cmp"]
+
+            def cell_time(x):
+                return f"{x['time_s']:.2f}" if "time_s" in x else "; ".join(x.get("error", ["?"]))
+
+            def cell_mem(x):
+                if "peak_kb" not in x:
+                    return "-"
+                return f"{_gb(x['peak_kb']):.2f} / {_gb(x['peak_kb'] - x['base_rss_kb']):.2f}"
+
+            ratio_t = f"{f['time_s'] / n['time_s']:.2f}x" if "time_s" in n and "time_s" in f else "-"
+            ratio_m = "-"
+            if "peak_kb" in n and "peak_kb" in f:
+                ratio_m = f"{(n['peak_kb'] - n['base_rss_kb']) / max(1, f['peak_kb'] - f['base_rss_kb']):.1f}x lower"
+            val = "-"
+            if c:
+                v = c.get("per_token_rel", c["value_rel"]) if what == "lp" else c["value_rel"]
+                val = f"{v:.1e} {'ok' if v <= 1e-5 else 'FAIL'}"
+            grad = f"{c['grad_h_rel']:.1e} / {c['grad_w_rel']:.1e}" if c else "-"
+            lines.append(f"| {r['V']} | {r['L']} | {r['chunk']} | {cell_time(n)} | {cell_time(f)} | {ratio_t} | "
+                         f"{cell_mem(n)} | {cell_mem(f)} | {ratio_m} | {val} | {grad} |")
+        lines.append("")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        fh.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
