@@ -97,7 +97,12 @@ def _fused_lp(torch, hs, ws, y, mask, chunk):
 
 
 FNS = {("kl", "naive"): _naive_kl, ("kl", "fused"): _fused_kl, ("lp", "naive"): _naive_lp,
-       ("lp", "fused"): _fused_lp}
+       ("lp", "fused"): _fused_lp, ("lpf", "naive"): _naive_lp, ("lpf", "fused"): _fused_lp}
+
+
+def _trainable(what):
+    """Indices of the inputs that require grad: student hidden and head; lpf = frozen head."""
+    return (0,) if what == "lpf" else (0, 1)
 
 
 def worker(args) -> None:
@@ -109,11 +114,11 @@ def worker(args) -> None:
     fn = FNS[(args.what, args.method)]
     # warm-up on a short sequence (thread pools, allocator, kernels)
     small = _inputs(torch, args.what, args.vocab, 64, seed=1)
-    small = [t.requires_grad_() if t.is_floating_point() and i in (0, 1) else t for i, t in enumerate(small)]
+    small = [t.requires_grad_() if i in _trainable(args.what) else t for i, t in enumerate(small)]
     fn(torch, *small, torch.ones(1, 64, dtype=torch.bool), args.chunk)
     del small
     inputs = _inputs(torch, args.what, args.vocab, args.length)
-    inputs = [t.requires_grad_() if t.is_floating_point() and i in (0, 1) else t for i, t in enumerate(inputs)]
+    inputs = [t.requires_grad_() if i in _trainable(args.what) else t for i, t in enumerate(inputs)]
     mask = torch.ones(1, args.length, dtype=torch.bool)
     reset_ok = _reset_peak()
     base_rss = _status_kb("VmRSS")
@@ -125,7 +130,7 @@ def worker(args) -> None:
     times = [t1 - t0]
     hs, ws = inputs[0], inputs[1]
     grad_h = hs.grad.detach().clone()
-    grad_w_rows = ws.grad[:: max(1, args.vocab // 256)].detach().clone()
+    grad_w_rows = ws.grad[:: max(1, args.vocab // 256)].detach().clone() if ws.grad is not None else None
     for _ in range(args.repeats - 1):
         hs.grad = None
         ws.grad = None
@@ -154,7 +159,7 @@ def _mem_available_gb() -> float:
     return float("nan")
 
 
-def _naive_estimate_gb(what: str, V: int, L: int) -> float:
+def _naive_estimate_gb(what: str, V: int, L: int) -> float:  # generous upper bounds
     per = V * L * 4 / 2 ** 30
     return (6 if what == "kl" else 4) * per + 2 * V * H * 4 / 2 ** 30
 
@@ -178,7 +183,8 @@ def _compare(torch, a_path, b_path):
     a, b = torch.load(a_path), torch.load(b_path)
     rel = lambda x, y: float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))  # noqa: E731
     out = {"value_rel": float(abs(a["value"] - b["value"]) / max(abs(float(b["value"])), 1e-30)),
-           "grad_h_rel": rel(a["grad_h"], b["grad_h"]), "grad_w_rel": rel(a["grad_w_rows"], b["grad_w_rows"])}
+           "grad_h_rel": rel(a["grad_h"], b["grad_h"]),
+           "grad_w_rel": rel(a["grad_w_rows"], b["grad_w_rows"]) if b["grad_w_rows"] is not None else float("nan")}
     if a["per_token"] is not None:
         x, y = a["per_token"], b["per_token"]
         out["per_token_rel"] = float(((x - y).abs() / y.abs().clamp_min(1e-30)).max())
@@ -190,7 +196,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tensors", help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=["naive", "fused"], help=argparse.SUPPRESS)
-    ap.add_argument("--what", default="kl,lp", help="comma list of: kl (reverse KL), lp (token log-probs)")
+    ap.add_argument("--what", default="kl,lp,lpf",
+                    help="comma list of: kl (reverse KL), lp (token log-probs), lpf (log-probs, frozen head)")
     ap.add_argument("--vocab", default="32768,151936", help="comma list of vocabulary sizes")
     ap.add_argument("--length", default="1024,4096", help="comma list of sequence lengths")
     ap.add_argument("--chunk", default="256", help="fused chunk_size (positions); a comma list runs each")
@@ -270,7 +277,8 @@ def _write(args, rows, started, load_before, load_after) -> None:
         "hidden-state and head-weight gradients (max-abs difference over max-abs value)",
         "",
     ]
-    for what, title in (("kl", "Reverse KL, student + teacher heads"), ("lp", "Target log-probs")):
+    for what, title in (("kl", "Reverse KL, student + teacher heads"), ("lp", "Target log-probs"),
+                        ("lpf", "Target log-probs, frozen head (gradient w.r.t. hidden states only)")):
         sel = [r for r in rows if r["what"] == what]
         if not sel:
             continue
@@ -295,7 +303,7 @@ def _write(args, rows, started, load_before, load_after) -> None:
                 ratio_m = f"{(n['peak_kb'] - n['base_rss_kb']) / max(1, f['peak_kb'] - f['base_rss_kb']):.1f}x lower"
             val = "-"
             if c:
-                v = c.get("per_token_rel", c["value_rel"]) if what == "lp" else c["value_rel"]
+                v = c.get("per_token_rel", c["value_rel"]) if what != "kl" else c["value_rel"]
                 val = f"{v:.1e} {'ok' if v <= 1e-5 else 'FAIL'}"
             grad = f"{c['grad_h_rel']:.1e} / {c['grad_w_rel']:.1e}" if c else "-"
             lines.append(f"| {r['V']} | {r['L']} | {r['chunk']} | {cell_time(n)} | {cell_time(f)} | {ratio_t} | "

@@ -12,7 +12,7 @@
 Importing this package does not import ``transformers``; the model helpers import it
 when called.
 """
-from .chat import observation_ids, prompt_ids, render_prompt
+from .chat import demonstration_trajectory, observation_ids, prompt_ids, render_prompt
 from .collate import RolloutBatch, collate, position_ids_from_attention_mask
 from .trajectory import Trajectory, TrajectoryLog, Turn, read_trajectories
 
@@ -36,6 +36,7 @@ __all__ = [
     "prompt_ids",
     "render_prompt",
     "observation_ids",
+    "demonstration_trajectory",
     *_LAZY,
 ]
 

@@ -142,8 +142,7 @@ class _Stepper:
             out = self.backbone(**kw)
             self.cache = _output_cache(out)
             h = out.last_hidden_state[:, -1, :].float()
-            logits = h @ self.weight.T
-            return logits if self.bias is None else logits + self.bias
+            return torch.nn.functional.linear(h, self.weight, self.bias)
         if cache is not None:
             kw[self.cache_kw] = cache
         out = self.model(logits_to_keep=1, **kw)
@@ -173,8 +172,9 @@ def sample_actions(
     r"""Continue each token sequence with one sampled action (KV-cached, left padded).
 
     Args:
-      model: a Hugging Face causal LM (``forward(input_ids, attention_mask, position_ids,
-        past_key_values, use_cache, logits_to_keep)``).
+      model: a Hugging Face causal LM, PEFT-wrapped or not (its forward takes
+        ``input_ids, attention_mask, position_ids, use_cache`` and the KV cache as
+        ``cache`` or, in older transformers, ``past_key_values``).
       sequences: the contexts, one list of token ids per row (non-empty).
       eos_ids: tokens that end an action (kept as its last token).
       pad_id: id used for left padding (never attended).

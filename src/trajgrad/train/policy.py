@@ -62,6 +62,21 @@ class ValueHead(nn.Module):
         return self.net(hidden.detach().float()).squeeze(-1)
 
 
+def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(hidden ``[B, T-1, H]`` float32, head weight ``[V, H]`` float32, bias or None).
+
+    The final hidden states that predict ``input_ids[:, 1:]`` and the output head, so that
+    a loss can form logits chunk by chunk (``trajgrad.fused``, ``reverse_kl_distill_loss``).
+    """
+    backbone, head = causal_parts(model)
+    pos = position_ids_from_mask(attention_mask)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    hidden = out.last_hidden_state[:, :-1].float()
+    weight = head.weight.float()
+    bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+    return hidden, weight, bias
+
+
 def learner_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -76,15 +91,9 @@ def learner_logprobs(
     chunk_size: int = 1024,
 ) -> LearnerOutput:
     """Log-probs of ``input_ids[:, 1:]`` under ``model`` (§4 alignment), masked by ``action_mask``."""
-    backbone, head = causal_parts(model)
-    pos = position_ids_from_mask(attention_mask)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-    hidden = out.last_hidden_state[:, :-1]
+    h32, weight, bias = head_inputs(model, input_ids, attention_mask)
     targets = input_ids[:, 1:]
     mask = action_mask.bool()
-    weight = head.weight.float()
-    bias = head.bias.float() if getattr(head, "bias", None) is not None else None
-    h32 = hidden.float()
     t = max(float(temperature), 1e-8) if temperature and temperature > 0 else 1.0
     if top_k is None and (top_p is None or top_p >= 1.0):
         logp = fused_token_logprobs(h32, weight, targets, bias=bias, temperature=t, chunk_size=chunk_size, mask=mask)

@@ -46,7 +46,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .metrics import MetricsLogger
 from .models import build_policy_model, reference_context
-from .policy import ValueHead, causal_parts, learner_logprobs, position_ids_from_mask
+from .policy import ValueHead, causal_parts, head_inputs, learner_logprobs
 from .stats import two_proportion_test, wilson_interval
 
 
@@ -104,7 +104,7 @@ class Trainer:
             self.reference = copy.deepcopy(self.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
-        self.teacher = None
+        self.teacher = self._build_teacher() if self.objective.loss == "opd" else None
         self.lagrange = LagrangeMultiplier(init=cfg.constraint.init, lr=cfg.constraint.lr, budget=cfg.constraint.budget) \
             if cfg.constraint.enabled else None
         self.sampler = HFSampler(
@@ -331,6 +331,15 @@ class Trainer:
 
         turn_rewards, rinfo = self._sequence_rewards(batch)
         metrics.update(rinfo)
+        if obj.loss == "opd":
+            # on-policy distillation: the student's own samples, the teacher's full distribution
+            t0 = time.perf_counter()
+            metrics.update(self._distill_update(batch))
+            metrics["time/update"] = time.perf_counter() - t0
+            self.policy_version += 1
+            self.sampler.set_policy_version(self.policy_version)
+            metrics["policy_version"] = float(self.policy_version)
+            return metrics
 
         # old log-probs, values (critic), reference
         t0 = time.perf_counter()
@@ -433,7 +442,7 @@ class Trainer:
                 res = obj.policy_loss(out.logp.double(), adv, mb.action_mask, old_logp=old_logp[idx],
                                       ref_logp=None if ref_logp is None else ref_logp[idx], denominator=den)
                 res.loss.backward()
-                loss_total += float(res.loss)
+                loss_total += float(res.loss.detach())
                 w = float(mb.action_mask.sum()) / max(float(mask.sum()), 1.0)
                 for k, v in res.metrics.items():
                     if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
@@ -446,18 +455,78 @@ class Trainer:
         acc["loss"] = loss_total
         return acc
 
+    # ------------------------------------------------------------------ teacher (OPD)
+    def _build_teacher(self) -> torch.nn.Module:
+        """The frozen teacher of on-policy distillation (§14).
+
+        ``teacher.name``: ``"smollm2"`` (the embedded model, frozen; the policy must share
+        its tokenizer), ``"tiny"`` (a random tiny model: a smoke test only) or ``"sft"``
+        (a tiny model of ``teacher.tiny``'s size trained on demonstrations for
+        ``max(50, 2 * sft.steps)`` steps before the run; the student then distils it).
+        """
+        from ..rollout.models import build_tiny_model, load_smollm2
+
+        tc = self.cfg.teacher
+        if tc.name == "smollm2":
+            if self.cfg.model.name != "smollm2":
+                raise ValueError("teacher.name: 'smollm2' needs model.name 'smollm2' (same tokenizer)")
+            teacher, _ = load_smollm2(dtype=torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32)
+        else:
+            if self.cfg.model.name != "tiny":
+                raise ValueError(f"teacher.name: {tc.name!r} builds a tiny teacher; it needs model.name 'tiny'")
+            t = tc.tiny
+            teacher = build_tiny_model(self.tokenizer, hidden_size=t.hidden_size, layers=t.layers, heads=t.heads, seed=t.seed)
+            if tc.name == "sft":
+                self.console("training the distillation teacher on demonstrations...")
+                self.sft(max(50, 2 * self.cfg.sft.steps), self.cfg.sft.batch_size, self.cfg.sft.lr, model=teacher, seed_salt=23)
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        return teacher
+
+    def _distill_update(self, batch: RolloutBatch) -> Dict[str, float]:
+        obj = self.objective
+        mbs = self._micro_batches(len(batch))
+        norm = Normalizer.from_masks([batch.action_mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+        den = norm.denominator()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: Dict[str, float] = {}
+        total = 0.0
+        t = self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
+        for idx in mbs:
+            mb = batch.select(idx)
+            h, w, b = head_inputs(self.model, mb.input_ids, mb.attention_mask)
+            with torch.no_grad():
+                th, tw, tb = head_inputs(self.teacher, mb.input_ids, mb.attention_mask)
+            res = obj.distill_loss(student_hidden=h, student_weight=w, student_bias=b, teacher_hidden=th,
+                                   teacher_weight=tw, teacher_bias=tb, mask=mb.action_mask, denominator=den,
+                                   temperature=t)
+            res.loss.backward()
+            total += float(res.loss.detach())
+            wgt = float(mb.action_mask.sum()) / max(float(batch.action_mask.sum()), 1.0)
+            for k, v in res.metrics.items():
+                if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
+                    acc[k] = acc.get(k, 0.0) + wgt * float(v)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.cfg.optim.grad_clip:
+            acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))
+        self.optimizer.step()
+        acc["loss"] = total
+        return acc
+
     # ------------------------------------------------------------------ SFT and DPO
     def _demo_batch(self, tasks) -> RolloutBatch:
         trajs = [demonstration_trajectory(self.tokenizer, self.source, t) for t in tasks]
         return collate(trajs, self.pad_id)
 
-    def sft(self, steps: int, batch_size: int, lr: float, progress=None) -> List[float]:
+    def sft(self, steps: int, batch_size: int, lr: float, progress=None, *, model=None, seed_salt: int = 17) -> List[float]:
         """Masked negative log-likelihood on demonstrations (action tokens only)."""
         if steps <= 0:
             return []
-        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        model = self.model if model is None else model
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         losses = []
-        rng = random.Random(self.cfg.train.seed + 17)
+        rng = random.Random(self.cfg.train.seed + seed_salt)
         for s in range(steps):
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
             batch = self._demo_batch(tasks)
@@ -467,11 +536,11 @@ class Trainer:
             total = 0.0
             for idx in mbs:
                 mb = batch.select(idx)
-                logp = self._logprobs(mb).logp
+                logp = self._logprobs(mb, model=model).logp
                 loss = aggregate(-logp, mb.action_mask, "token_mean", denominator=den)
                 loss.backward()
                 total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
             losses.append(total)
             if progress is not None:
