@@ -103,12 +103,16 @@ def train(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue a killed run from its directory."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where to write the run (default runs/<name>-<time>)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Asynchronous runs: join this Ray cluster."),
 ) -> None:
     """Train an agent (the embedded default: SmolLM2-135M + LoRA, calculator tool, GRPO)."""
     from .train.run import main as train_main
 
+    overrides = _parse_sets(set_)
+    if ray_address is not None:
+        overrides["asynchronous.ray_address"] = ray_address
     try:
-        code = train_main(config=config, preset=preset, overrides=_parse_sets(set_), resume=resume, run_dir=run_dir)
+        code = train_main(config=config, preset=preset, overrides=overrides, resume=resume, run_dir=run_dir)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

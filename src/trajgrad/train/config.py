@@ -118,6 +118,20 @@ class DPOConfig(_Strict):
     pairs: int = Field(64, ge=1)
 
 
+class AsyncConfig(_Strict):
+    """Single-rollout asynchronous optimization on Ray (§20): see ``trajgrad.train.asynchronous``."""
+
+    enabled: bool = False
+    workers: int = Field(2, ge=1, description="rollout actors")
+    max_lag: int = Field(2, ge=0, description="max learner version minus oldest sampling version of a trajectory")
+    batch_trajectories: int = Field(8, ge=1, description="trajectories per learner update")
+    queue_size: int = Field(32, ge=1, description="bound of the finished-trajectory queue")
+    partial: Literal["per_segment", "newest_segment", "discard_mixed"] = "per_segment"
+    ray_address: Optional[str] = Field(None, description="join an existing Ray cluster; None = a local one")
+    env_latency: Optional[Dict[str, float]] = Field(
+        None, description="lognormal per-step latency {'mu': ..., 'sigma': ...} in log-seconds (benchmarks)")
+
+
 class CheckpointConfig(_Strict):
     every: int = Field(10, ge=0)
     keep: int = Field(2, ge=1)
@@ -142,6 +156,7 @@ class Config(_Strict):
     constraint: ConstraintConfig = ConstraintConfig()
     teacher: TeacherConfig = TeacherConfig()
     dpo: DPOConfig = DPOConfig()
+    asynchronous: AsyncConfig = AsyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 

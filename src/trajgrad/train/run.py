@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -10,6 +11,8 @@ from .config import Config, build_config, load_config
 
 
 def _console(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 prints
+        return
     try:
         from rich.console import Console
 
@@ -47,7 +50,12 @@ def main(
     _console("objective optimized by every update of this run:\n")
     _console(explain(cfg.objective()))
     _console("")
-    trainer = Trainer(cfg, out_dir, resume=resume is not None, console=_console)
+    if cfg.asynchronous.enabled:
+        from .asynchronous import AsyncTrainer
+
+        trainer = AsyncTrainer(cfg, out_dir, resume=resume is not None, console=_console)
+    else:
+        trainer = Trainer(cfg, out_dir, resume=resume is not None, console=_console)
     t0 = time.perf_counter()
     summary = trainer.run()
     _console(f"done in {time.perf_counter() - t0:.0f} s; metrics: {out_dir / 'metrics.jsonl'}; "

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .. import distributed as dist_lib
 from .. import returns as returns_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
 from ..diagnostics import explained_variance
@@ -79,7 +80,10 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.console = console
+        self.dist = dist_lib.init_from_env()
+        self.rank, self.world = self.dist.rank, self.dist.world_size
+        self.is_main = self.dist.is_main
+        self.console = console if self.is_main else (lambda *_a, **_k: None)
         self.objective: Objective = cfg.objective()
         self.resume = resume
         seed_everything(cfg.train.seed)
@@ -111,7 +115,8 @@ class Trainer:
             self.model, self.tokenizer, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
             top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens, policy_version=0,
         )
-        self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl")
+        name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
+        self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
         self.cursor = 0
         self.policy_version = 0
@@ -120,8 +125,10 @@ class Trainer:
         metrics_offset = None
         if resume:
             metrics_offset = self._restore()
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, resume_offset=metrics_offset)
-        (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, default=str))
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, resume_offset=metrics_offset) \
+            if self.is_main else _NullLogger()
+        if self.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, default=str))
 
     # ------------------------------------------------------------------ state
     def _modules(self) -> Dict[str, torch.nn.Module]:
@@ -136,15 +143,41 @@ class Trainer:
             opts["critic"] = self.critic_optimizer
         return opts
 
-    def save(self) -> Path:
+    def save(self) -> Optional[Path]:
+        """Checkpoint (rank 0 writes; every rank's trajectory-log offset is recorded)."""
+        offsets = self._gather(self.traj_log.offset)
         extra = {
             "step": self.step, "cursor": self.cursor, "policy_version": self.policy_version,
-            "trajectory_offset": self.traj_log.offset, "metrics_offset": self.metrics.offset,
+            "trajectory_offset": offsets[0], "trajectory_offsets": offsets, "world_size": self.world,
+            "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
         }
-        return save_checkpoint(self.run_dir, self.step, modules=self._modules(), optimizers=self._optimizers(),
-                               extra=extra, keep=self.cfg.checkpoint.keep)
+        path = None
+        if self.is_main:
+            path = save_checkpoint(self.run_dir, self.step, modules=self._modules(), optimizers=self._optimizers(),
+                                   extra=extra, keep=self.cfg.checkpoint.keep)
+        dist_lib.barrier()
+        return path
+
+    def _gather(self, value):
+        if self.world == 1:
+            return [value]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, value)
+        return out
+
+    def _sync_grads(self, params) -> None:
+        """Sum gradients over ranks (denominators are global counts, so the sum is exact, §13)."""
+        if self.world > 1:
+            dist_lib.sync_gradients_sum(params)
+
+    def _normalizer(self, masks, mode, constant=None) -> Normalizer:
+        # gradients are summed over ranks by _sync_grads, so no division by the world size
+        norm = Normalizer(mode, constant=constant, grad_average_over_ranks=False)
+        for m in masks:
+            norm.add(m)
+        return norm
 
     def _restore(self) -> Optional[int]:
         if latest_checkpoint(self.run_dir) is None:
@@ -155,7 +188,11 @@ class Trainer:
         self.cursor = int(ex["cursor"])
         self.policy_version = int(ex["policy_version"])
         self.sampler.set_policy_version(self.policy_version)
-        self.traj_log.truncate_to(int(ex["trajectory_offset"]))
+        saved_world = int(ex.get("world_size", 1))
+        if saved_world != self.world:
+            raise ValueError(f"resume: the run used {saved_world} process(es); resume it with the same number, not {self.world}")
+        offsets = ex.get("trajectory_offsets") or [ex["trajectory_offset"]]
+        self.traj_log.truncate_to(int(offsets[self.rank]))
         if self.lagrange and ex.get("lagrange"):
             self.lagrange.load_state_dict(ex["lagrange"])
         if ex.get("eval_before"):
@@ -178,6 +215,13 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, tag: str) -> EvalResult:
+        """Held-out success (rank 0 evaluates; the other ranks wait and receive the result)."""
+        res = self._evaluate(tag) if self.is_main else None
+        if self.world > 1:
+            res = self._gather(res)[0]
+        return res
+
+    def _evaluate(self, tag: str) -> EvalResult:
         cfg = self.cfg
         self.model.eval()
         saved = seed_everything, torch.get_rng_state(), random.getstate(), np.random.get_state()
@@ -230,9 +274,10 @@ class Trainer:
         tries = cfg.train.dynamic_sampling_max_tries if obj.dynamic_sampling else 1
         need = P
         for attempt in range(tries):
-            tasks = self._next_tasks(need)
+            tasks = dist_lib.shard(self._next_tasks(need), self.rank, self.world)
             t0 = time.perf_counter()
-            trajs = self.sampler.rollout(self.source, tasks, group_size=G, seed=_step_seed(cfg.train.seed, self.step, attempt))
+            trajs = self.sampler.rollout(self.source, tasks, group_size=G,
+                                         seed=_step_seed(cfg.train.seed, self.step, attempt * 1000 + self.rank)) if tasks else []
             stats["time/generate"] += time.perf_counter() - t0
             stats["gen_tokens"] += sum(t.num_action_tokens for t in trajs)
             stats["dynamic/tries"] += 1
@@ -249,7 +294,7 @@ class Trainer:
                     self.traj_log.extend(members)
                     continue
                 kept.extend(members)
-            need = P - len(kept) // G
+            need = P - self._sum_int(len(kept) // G)
             if need <= 0:
                 break
         return kept, stats
@@ -306,15 +351,42 @@ class Trainer:
             return self._dpo_step()
         trajs, metrics = self._collect()
         self.traj_log.extend(trajs)
-        if not trajs:
+        if self._min_int(len(trajs)) == 0:  # every rank must take part in the update, or none
             metrics["skipped"] = 1.0
-            return metrics
+            return self._reduce_metrics(metrics)
         metrics.update(self.learn(trajs))
         dt = time.perf_counter() - t_step
         metrics["time/step"] = dt
         metrics["throughput/gen_tokens_per_s"] = metrics.pop("gen_tokens") / max(metrics["time/generate"], 1e-9)
-        metrics["throughput/samples_per_s"] = len(trajs) / dt
-        return metrics
+        metrics["throughput/samples_per_s"] = len(trajs) / dt * self.world
+        return self._reduce_metrics(metrics)
+
+    def _sum_int(self, v: int) -> int:
+        if self.world == 1:
+            return int(v)
+        t = torch.tensor([int(v)], dtype=torch.long)
+        torch.distributed.all_reduce(t)
+        return int(t)
+
+    def _min_int(self, v: int) -> int:
+        if self.world == 1:
+            return int(v)
+        t = torch.tensor([int(v)], dtype=torch.long)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t)
+
+    def _reduce_metrics(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """Mean over ranks of each metric (rank 0 logs); the union of keys."""
+        if self.world == 1:
+            return metrics
+        all_m = self._gather(metrics)
+        keys = sorted(set().union(*[m.keys() for m in all_m]))
+        out = {}
+        for k in keys:
+            vals = [m[k] for m in all_m if k in m and isinstance(m[k], (int, float)) and math.isfinite(m[k])]
+            if vals:
+                out[k] = float(sum(vals) / len(vals))
+        return out
 
     def learn(self, trajs: Sequence[Trajectory]) -> Dict[str, float]:
         """One update from finished trajectories (used by the synchronous and asynchronous loops)."""
@@ -410,11 +482,13 @@ class Trainer:
         targets = out.returns
         K = cfg.critic.updates or obj.critic_updates
         vl = None
+        vden = self._normalizer([mask], "token_mean").denominator()
         for _ in range(K):
             self.critic_optimizer.zero_grad(set_to_none=True)
             pred = self.value_head(hidden).double()
-            vl = value_loss(pred, targets, mask, old_values=values, clip_range=obj.value_clip)
+            vl = value_loss(pred, targets, mask, old_values=values, clip_range=obj.value_clip, denominator=vden)
             vl.loss.backward()
+            self._sync_grads(list(self.value_head.parameters()))
             self.critic_optimizer.step()
         with torch.no_grad():
             new_values = self.value_head(hidden).double()
@@ -428,7 +502,7 @@ class Trainer:
         cfg, obj = self.cfg, self.objective
         mask = batch.action_mask
         mbs = self._micro_batches(len(batch))
-        norm = Normalizer.from_masks([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+        norm = self._normalizer([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
         den = norm.denominator()
         acc: Dict[str, float] = {}
         loss_total = 0.0
@@ -448,6 +522,7 @@ class Trainer:
                     if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
                         acc[k] = acc.get(k, 0.0) + w * float(v)
             params = [p for p in self.model.parameters() if p.requires_grad]
+            self._sync_grads(params)
             if cfg.optim.grad_clip:
                 gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
                 acc["grad_norm"] = float(gn)
@@ -487,7 +562,7 @@ class Trainer:
     def _distill_update(self, batch: RolloutBatch) -> Dict[str, float]:
         obj = self.objective
         mbs = self._micro_batches(len(batch))
-        norm = Normalizer.from_masks([batch.action_mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+        norm = self._normalizer([batch.action_mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
         den = norm.denominator()
         self.optimizer.zero_grad(set_to_none=True)
         acc: Dict[str, float] = {}
@@ -508,6 +583,7 @@ class Trainer:
                 if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
                     acc[k] = acc.get(k, 0.0) + wgt * float(v)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self._sync_grads(params)
         if self.cfg.optim.grad_clip:
             acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))
         self.optimizer.step()
@@ -529,10 +605,11 @@ class Trainer:
         rng = random.Random(self.cfg.train.seed + seed_salt)
         for s in range(steps):
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
+            tasks = dist_lib.shard(tasks, self.rank, self.world) or tasks[:1]
             batch = self._demo_batch(tasks)
             opt.zero_grad(set_to_none=True)
             mbs = self._micro_batches(len(batch))
-            den = Normalizer.from_masks([batch.action_mask[i] for i in mbs], "token_mean").denominator()
+            den = self._normalizer([batch.action_mask[i] for i in mbs], "token_mean").denominator()
             total = 0.0
             for idx in mbs:
                 mb = batch.select(idx)
@@ -540,6 +617,7 @@ class Trainer:
                 loss = aggregate(-logp, mb.action_mask, "token_mean", denominator=den)
                 loss.backward()
                 total += float(loss.detach())
+            self._sync_grads([p for p in model.parameters() if p.requires_grad])
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
             losses.append(total)
@@ -573,6 +651,7 @@ class Trainer:
         n = min(self.cfg.train.prompts_per_step, len(self.dpo_pairs))
         start = (self.cursor * n) % len(self.dpo_pairs)
         pairs = [self.dpo_pairs[(start + i) % len(self.dpo_pairs)] for i in range(n)]
+        pairs = dist_lib.shard(pairs, self.rank, self.world) or pairs[:1]
         self.cursor += 1
         chosen = collate([p[0] for p in pairs], self.pad_id)
         rejected = collate([p[1] for p in pairs], self.pad_id)
@@ -583,7 +662,8 @@ class Trainer:
         pc = sequence_logp(self._logprobs(chosen).logp.double(), chosen.action_mask)
         pr = sequence_logp(self._logprobs(rejected).logp.double(), rejected.action_mask)
         res = self.objective.dpo_loss(pc, pr, ref_c, ref_r)
-        res.loss.backward()
+        (res.loss / self.world).backward()
+        self._sync_grads([p for p in self.model.parameters() if p.requires_grad])
         torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.optim.grad_clip or 1e9)
         self.optimizer.step()
         self.policy_version += 1
@@ -596,7 +676,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        show = cfg.log.progress
+        show = cfg.log.progress and self.is_main
         if not self.resume:
             if cfg.eval.before:
                 self.console(f"evaluating on {len(self.heldout_tasks)} held-out tasks (before training)...")
@@ -643,9 +723,23 @@ class Trainer:
                 summary["p_value"] = p
                 self.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
                              f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.traj_log.close()
+        dist_lib.barrier()
         return summary
+
+
+class _NullLogger:
+    """Metrics sink of ranks other than 0."""
+
+    offset = 0
+
+    def log(self, *args, **kwargs):
+        return {}
+
+    def close(self):
+        pass
 
 
 def _fmt_eval(tag: str, r: EvalResult) -> str:
