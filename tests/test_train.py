@@ -173,3 +173,18 @@ def test_yaml_config_with_preset_base(tmp_path):
     cfg = load_config(p)
     assert cfg.recipe.name == "dapo" and cfg.train.steps == 3 and cfg.model.name == "tiny"
     assert cfg.objective().eps_high == 0.28
+
+
+def test_on_policy_old_logp_reuse_equals_a_separate_recompute(tmp_path):
+    """old_logp='auto' (the update pass's own detached log-probs) gives the same step as a
+    separate no-grad recompute pass: at ratio 1 both are the same estimator."""
+    params = []
+    for mode in ("auto", "recompute"):
+        torch.manual_seed(0)
+        cfg = micro_config("dapo", recipe={"name": "dapo", "overrides": {"dynamic_sampling": False}},
+                           train={"steps": 1, "old_logp": mode}, sft={"steps": 0})
+        tr = Trainer(cfg, tmp_path / mode, console=lambda *_: None)
+        tr.run()
+        params.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
+    for n in params[0]:
+        assert torch.allclose(params[0][n], params[1][n], atol=1e-6), n

@@ -758,30 +758,40 @@ def _error_body(message: str, status: int, param: Optional[str]) -> Dict[str, An
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+_EXPECTED = {
+    "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+    "list_type": "a list", "dict_type": "an object",
+}
+
+
 def _validation_message(errors: Sequence[Dict[str, Any]]) -> Tuple[str, Optional[str]]:
-    """One readable line per field from pydantic's errors (first field named as param)."""
-    by_field: Dict[str, str] = {}
+    """One readable line per field from pydantic's errors (the first field is the param)."""
+    grouped: Dict[str, List[Dict[str, Any]]] = {}
     for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        name = loc[0] if loc else "body"
-        if name in by_field:
-            continue
-        typ = err.get("type", "")
-        if typ == "extra_forbidden":
-            by_field[name] = f"{name}: unknown or unsupported field"
-        elif typ == "json_invalid":
-            by_field["body"] = "body: invalid JSON"
-        elif typ == "missing":
-            by_field[name] = f"{name}: required field is missing"
+        grouped.setdefault(loc[0] if loc else "body", []).append(err)
+    lines = []
+    for name, errs in grouped.items():
+        types = {e.get("type", "") for e in errs}
+        got = errs[0].get("input")
+        if "json_invalid" in types:
+            lines.append("body: invalid JSON")
+        elif "extra_forbidden" in types:
+            lines.append(f"{name}: unknown or unsupported field")
+        elif "missing" in types:
+            lines.append(f"{name}: required field is missing")
         elif name == "prompt":
-            by_field[name] = "prompt: must be a string, a list of token ids, a list of strings or a list of token-id lists"
+            lines.append("prompt: must be a string, a list of token ids, a list of strings or a list of token-id lists")
+        elif {"int_type", "float_type"} <= types:
+            lines.append(f"{name}: expected a number, got {got!r}")
+        elif types & set(_EXPECTED):
+            kind = next(_EXPECTED[t] for t in _EXPECTED if t in types)
+            lines.append(f"{name}: expected {kind}, got {got!r}")
         else:
-            got = err.get("input")
-            by_field[name] = f"{name}: {err.get('msg', 'invalid value')} (got {got!r})"
-    if not by_field:
+            lines.append(f"{name}: {errs[0].get('msg', 'invalid value')} (got {got!r})")
+    if not lines:
         return "body: invalid request", None
-    first = next(iter(by_field))
-    return "; ".join(by_field.values()), first
+    return "; ".join(lines), next(iter(grouped))
 
 
 # ----------------------------------------------------------------------------- app

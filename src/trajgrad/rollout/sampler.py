@@ -415,6 +415,7 @@ class HFSampler:
         *,
         group_size: int = 1,
         seed: Optional[int] = None,
+        before_turn: Optional[Callable[[int], None]] = None,
     ) -> List[Trajectory]:
         """Run ``len(tasks) * group_size`` episodes in one batch; return their sub-traces.
 
@@ -425,6 +426,12 @@ class HFSampler:
           tasks: the ``Task`` objects.
           group_size: episodes per task (a group shares ``task_id``).
           seed: seeds the token draws (same seed, same model, same batch: same samples).
+          before_turn: optional callback, called with the turn index (0, 1, ...)
+            immediately before each batched generation call, i.e. after the environment
+            steps of the previous turn. It may load new weights into the model in place
+            and call :meth:`set_policy_version`: the turns sampled afterwards record the
+            new version and their behaviour log-probs come from the new weights, while the
+            earlier turns keep theirs (partial rollouts, §16).
 
         Returns:
           the trajectories ordered by task, then group member, then segment. Every
@@ -447,6 +454,8 @@ class HFSampler:
                 raise ValueError(f"tasks: expected Task objects, got {type(task).__name__}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size: must be a positive integer, got {group_size!r}")
+        if before_turn is not None and not callable(before_turn):
+            raise ValueError(f"before_turn: expected a callable taking the turn index, got {type(before_turn).__name__}")
 
         device = _model_device(self.model)
         generator = torch.Generator(device=device)
@@ -483,6 +492,7 @@ class HFSampler:
         self.model.eval()
         try:
             active = list(episodes)
+            turn = 0
             while active:
                 for ep in active:
                     if self.max_context_tokens is not None and len(ep.tokens) + self.max_new_tokens > self.max_context_tokens:
@@ -490,6 +500,9 @@ class HFSampler:
                 active = [ep for ep in active if not ep.done]
                 if not active:
                     break
+                if before_turn is not None:
+                    before_turn(turn)
+                turn += 1
                 version = self.policy_version
                 t0 = time.perf_counter()
                 results = self._generate([ep.tokens for ep in active], generator)

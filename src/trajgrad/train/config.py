@@ -78,7 +78,9 @@ class LoopConfig(_Strict):
     micro_batch_size: int = Field(8, ge=1)
     epochs_per_batch: int = Field(1, ge=1)
     seed: int = 0
-    old_logp: Literal["recompute", "behaviour"] = "recompute"
+    old_logp: Literal["auto", "recompute", "behaviour"] = Field(
+        "auto", description="auto: a single on-policy epoch uses the update pass's own detached log-probs "
+        "(identical to a recompute); recompute: a separate no-grad pass; behaviour: the sampler's records")
     dynamic_sampling_max_tries: int = Field(3, ge=1)
 
 

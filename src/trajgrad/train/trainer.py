@@ -415,21 +415,27 @@ class Trainer:
 
         # old log-probs, values (critic), reference
         t0 = time.perf_counter()
-        with torch.no_grad():
-            need_hidden = obj.critic
-            outs = [self._logprobs(batch.select(i), want_hidden=need_hidden, want_entropy=True) for i in self._micro_batches(B)]
-            recomputed = torch.cat([o.logp for o in outs], 0).double()
-            entropy = torch.cat([o.entropy for o in outs], 0)
-            hidden = torch.cat([o.hidden for o in outs], 0) if need_hidden else None
         behaviour = batch.old_logp.double()
-        metrics["entropy"] = float(masked_mean(entropy.double(), mask))
-        mism = kl_estimate(recomputed, behaviour, mask, kind="k3")
-        metrics["mismatch/k3_learner_vs_sampler"] = float(masked_mean(mism, mask))
-        metrics["mismatch/max_abs_log_ratio"] = float(torch.where(mask, (recomputed - torch.nan_to_num(behaviour)).abs(), 0).max())
+        # "auto": a single on-policy epoch needs no separate pass: the update's own forward pass,
+        # detached, IS the recomputed log-prob under the current (= old) weights (ratio 1 exactly)
+        fused_old = (cfg.train.old_logp == "auto" and cfg.train.epochs_per_batch == 1 and not obj.critic
+                     and obj.loss != "sao" and obj.kl_placement != "reward")
+        recomputed = hidden = None
+        if not fused_old:
+            with torch.no_grad():
+                outs = [self._logprobs(batch.select(i), want_hidden=obj.critic, want_entropy=True)
+                        for i in self._micro_batches(B)]
+                recomputed = torch.cat([o.logp for o in outs], 0).double()
+                hidden = torch.cat([o.hidden for o in outs], 0) if obj.critic else None
+                entropy = torch.cat([o.entropy for o in outs], 0)
+            metrics.update(self._sampler_learner_metrics(recomputed, behaviour, entropy, mask))
         use_behaviour = obj.loss == "sao" or cfg.train.old_logp == "behaviour"
-        old_logp = torch.where(mask, behaviour, 0.0) if use_behaviour else recomputed
+        if use_behaviour:
+            old_logp = torch.where(mask, behaviour, 0.0)
+        else:
+            old_logp = None if fused_old else recomputed
         ref_logp = self._reference_logprobs(batch).double() if obj.kl_placement != "none" else None
-        if ref_logp is not None:
+        if ref_logp is not None and recomputed is not None:
             metrics["kl/k3_to_reference"] = float(masked_mean(kl_estimate(recomputed, ref_logp, mask, kind="k3"), mask))
         metrics["time/logprob_recompute"] = time.perf_counter() - t0
 
@@ -455,7 +461,7 @@ class Trainer:
         t0 = time.perf_counter()
         warm = obj.critic and self.step < cfg.critic.warmup_steps
         if not warm:
-            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp))
+            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour))
             self.policy_version += 1
             self.sampler.set_policy_version(self.policy_version)
         metrics["time/update"] = time.perf_counter() - t0
@@ -498,9 +504,23 @@ class Trainer:
              "critic/value_mean": float(masked_mean(values, mask))}
         return out2.advantages, m
 
-    def _policy_update(self, batch, advantages, old_logp, ref_logp) -> Dict[str, float]:
+    @staticmethod
+    def _sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
+        """Entropy, and how far the learner's log-probs are from the sampler's records (§7)."""
+        m = {"entropy": float(masked_mean(entropy.double(), mask))}
+        m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
+        diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
+        m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
+        return m
+
+    def _policy_update(self, batch, advantages, old_logp, ref_logp, *, behaviour=None) -> Dict[str, float]:
+        """``old_logp=None``: one on-policy epoch; each micro-batch's own detached log-probs are
+        the old log-probs (the same numbers a separate no-grad pass would give)."""
         cfg, obj = self.cfg, self.objective
         mask = batch.action_mask
+        if old_logp is None and cfg.train.epochs_per_batch != 1:
+            raise ValueError("old_logp: required when epochs_per_batch > 1")
+        seen_logp, seen_ent = [], []
         mbs = self._micro_batches(len(batch))
         norm = self._normalizer([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
         den = norm.denominator()
@@ -511,9 +531,15 @@ class Trainer:
             loss_total = 0.0
             for idx in mbs:
                 mb = batch.select(idx)
-                out = self._logprobs(mb)
+                first = old_logp is None
+                out = self._logprobs(mb, want_entropy=first)
+                lp = out.logp.double()
+                if first:
+                    seen_logp.append(lp.detach())
+                    seen_ent.append(out.entropy)
                 adv = advantages[idx]
-                res = obj.policy_loss(out.logp.double(), adv, mb.action_mask, old_logp=old_logp[idx],
+                old_mb = lp.detach() if old_logp is None else old_logp[idx]
+                res = obj.policy_loss(lp, adv, mb.action_mask, old_logp=old_mb,
                                       ref_logp=None if ref_logp is None else ref_logp[idx], denominator=den)
                 res.loss.backward()
                 loss_total += float(res.loss.detach())
@@ -528,6 +554,8 @@ class Trainer:
                 acc["grad_norm"] = float(gn)
             self.optimizer.step()
         acc["loss"] = loss_total
+        if seen_logp and behaviour is not None:
+            acc.update(self._sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
         return acc
 
     # ------------------------------------------------------------------ teacher (OPD)

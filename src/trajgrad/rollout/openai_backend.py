@@ -1,0 +1,521 @@
+r"""Rollouts from an OpenAI-compatible server: ``trajgrad serve``, vLLM or SGLang (§7, §16).
+
+:class:`OpenAISampler` runs the same multi-turn episodes as
+:class:`~trajgrad.rollout.sampler.HFSampler` (it reuses its episode logic), but each action
+is sampled by a server. The trained sequence is assembled token for token:
+
+* the prompt ids are rendered once from the chat template
+  (:func:`~trajgrad.rollout.chat.prompt_ids`) and sent as token ids;
+* every request carries the episode's full token sequence so far, as ids (the server
+  never re-tokenizes text);
+* the action is the list of token ids the server returns, verbatim, and its behaviour
+  log-probs are the per-token log-probs the server returns with them;
+* observation ids (:func:`~trajgrad.rollout.chat.observation_ids`) are appended verbatim.
+
+The recorded behaviour log-prob must be that of the distribution that actually sampled
+(§7): :math:`\log\mu(x_j\mid x_{<j})` under temperature / top-k / top-p. Whether a server
+returns that number depends on the server and its flags:
+
+* ``server="trajgrad"`` (``trajgrad serve``): always (it records the number while
+  sampling). One request per turn carries all active episodes (``prompt`` as a list of
+  token-id lists), so a group is one batch.
+* ``server="vllm"``: only when vLLM runs with ``--logprobs-mode processed_logprobs``
+  (its default, ``raw_logprobs``, reports the un-tempered, un-truncated distribution).
+  Token ids come back through ``return_tokens_as_token_ids``; one request per episode,
+  concurrently.
+* ``server="sglang"``: the native ``/generate`` endpoint with ``input_ids`` and
+  ``return_logprob``. SGLang reports log-probs after temperature but before top-k / top-p
+  filtering, so this backend refuses ``top_k`` / ``top_p < 1`` for SGLang.
+
+See ``docs/serving.md`` for the server flags. Every request pins all sampling settings
+explicitly (penalties neutral, ``min_p`` 0), so server-side generation defaults cannot
+change the distribution.
+
+Policy versions (§16): every turn records the version of the weights that sampled it:
+the ``policy_version`` the trajgrad server reports with each choice; for vLLM the version
+encoded in the adapter name :meth:`OpenAISampler.sync_weights` loaded; otherwise
+:attr:`policy_version` (set by :meth:`sync_weights` / :meth:`set_policy_version`).
+
+Greedy decoding (``temperature == 0``) records 0.0, as :class:`HFSampler` does.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .sampler import HFSampler
+
+__all__ = ["OpenAISampler", "SERVERS"]
+
+SERVERS = ("trajgrad", "vllm", "sglang")
+_TOKEN_ID_PREFIX = "token_id:"
+# a served log-prob may exceed 0 by rounding; larger positive values are an error
+_POSITIVE_SLACK = 1e-5
+
+
+class _ServedModel(torch.nn.Module):
+    """Stand-in for the model object :class:`HFSampler` expects: no parameters, a name and
+    the context length, so that the episode logic runs unchanged."""
+
+    def __init__(self, name: str, max_len: Optional[int]):
+        super().__init__()
+        self.config = SimpleNamespace(_name_or_path=name, max_position_embeddings=max_len)
+
+
+def _unwrap(model):
+    while isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        model = model.module
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        model = model._orig_mod
+    return model
+
+
+def _is_peft(model) -> bool:
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+class OpenAISampler(HFSampler):
+    r"""Multi-turn sampler whose actions come from an OpenAI-compatible server.
+
+    Args:
+      base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is
+        accepted and removed).
+      tokenizer: the served model's tokenizer (ChatML; renders prompts and observations).
+      model_name: the served model id sent as ``model`` (vLLM: the base model name until
+        :meth:`sync_weights` loads an adapter).
+      temperature, top_k, top_p, max_new_tokens: the sampling distribution and action
+        length, as in :class:`HFSampler` (``top_k=None`` / ``top_p=None``: off).
+      policy_version: the version recorded until the server reports another (§16).
+      server: ``"trajgrad"``, ``"vllm"`` or ``"sglang"`` (the request/response dialect).
+      timeout: seconds per HTTP request.
+      max_concurrency: most requests in flight at once (vLLM / SGLang: one per episode).
+      max_batch_size: ``trajgrad`` only: most episodes per request (``None``: all).
+      max_context_tokens: episode length limit (default: ``/v1/models``' ``max_model_len``
+        for trajgrad and vLLM servers, else unlimited).
+      lora_name: vLLM adapter names are ``f"{lora_name}-v{version}"``.
+      progress: progress bar over episodes.
+      client: an ``httpx.Client`` to use (e.g. with a custom transport); default: a new one.
+
+    Raises ValueError naming the argument for bad settings, and naming ``server`` when a
+    response lacks token ids or log-probs.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer,
+        *,
+        model_name: str,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        max_new_tokens: int = 64,
+        policy_version: int = 0,
+        server: str = "trajgrad",
+        timeout: float = 120.0,
+        max_concurrency: int = 64,
+        max_batch_size: Optional[int] = None,
+        max_context_tokens: Optional[int] = None,
+        lora_name: str = "trajgrad-policy",
+        progress: bool = False,
+        client=None,
+    ):
+        if server not in SERVERS:
+            raise ValueError(f"server: expected one of {SERVERS}, got {server!r}")
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: expected an http(s) URL, got {base_url!r}")
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected a positive integer, got {max_concurrency!r}")
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name: expected a non-empty string, got {lora_name!r}")
+        super().__init__(
+            _ServedModel(model_name, max_context_tokens), tokenizer, temperature=temperature, top_k=top_k,
+            top_p=top_p, max_new_tokens=max_new_tokens, policy_version=policy_version, progress=progress,
+            max_batch_size=max_batch_size, max_context_tokens=max_context_tokens,
+        )
+        if server == "sglang" and (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)):
+            which = "top_k" if self.top_k is not None else "top_p"
+            raise ValueError(
+                f"{which}: SGLang reports log-probs before top-k/top-p filtering, so they would not be the "
+                f"behaviour log-probs of the truncated distribution (§7); use temperature only with server='sglang'"
+            )
+        url = base_url.rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        self.base_url = url
+        self.server = server
+        self.model_name = model_name
+        self.request_model = model_name  # vLLM: the adapter name after a sync
+        self.lora_name = lora_name
+        self.timeout = float(timeout)
+        self.max_concurrency = max_concurrency
+        self._context_known = max_context_tokens is not None
+        self._loaded_adapter: Optional[str] = None
+        self._seeded = False
+        self._turn_versions: Iterator[int] = iter(())
+        if client is None:
+            import httpx
+
+            client = httpx.Client(timeout=self.timeout)
+            self._own_client = True
+        else:
+            self._own_client = False
+        self.client = client
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="trajgrad-openai")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release the HTTP client (if this object created it) and the worker threads."""
+        self._pool.shutdown(wait=True)
+        if self._own_client:
+            self.client.close()
+
+    def __enter__(self) -> "OpenAISampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ settings
+    def sampling_params(self) -> Dict[str, Any]:
+        """What every trajectory records in ``Trajectory.sampling``."""
+        params = super().sampling_params()
+        params.update(
+            model=self.request_model, backend="openai", server=self.server, base_url=self.base_url,
+            logprobs=_LOGPROB_SOURCE[self.server],
+        )
+        return params
+
+    # ------------------------------------------------------------------ HTTP
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+        import httpx
+
+        try:
+            resp = self.client.post(self._url(path), json=body, timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
+        return self._json(resp, path)
+
+    def _get(self, path: str) -> Any:
+        import httpx
+
+        try:
+            resp = self.client.get(self._url(path), timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
+        return self._json(resp, path)
+
+    def _json(self, resp, path: str) -> Any:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code >= 400:
+            msg = None
+            if isinstance(body, dict):
+                err = body.get("error")
+                if isinstance(err, dict):
+                    msg = err.get("message")
+                elif isinstance(err, str):
+                    msg = err
+                msg = msg or body.get("message") or body.get("detail")
+            msg = msg or resp.text[:500]
+            raise ValueError(f"server: the {self.server} server answered {resp.status_code} to {path}: {msg}")
+        if body is None:
+            raise ValueError(f"server: the {self.server} server sent a non-JSON answer to {path}: {resp.text[:200]!r}")
+        return body
+
+    def _ensure_context_limit(self) -> None:
+        if self._context_known:
+            return
+        self._context_known = True
+        if self.server == "sglang":
+            return
+        try:
+            data = self._get("/v1/models").get("data") or []
+        except (ValueError, ConnectionError, AttributeError):
+            return
+        for card in data:
+            if isinstance(card, dict) and card.get("max_model_len"):
+                self.max_context_tokens = int(card["max_model_len"])
+                self.model.config.max_position_embeddings = self.max_context_tokens
+                return
+
+    # ------------------------------------------------------------------ sampling
+    def rollout(self, task_source_or_env_factory, tasks, *, group_size: int = 1, seed: Optional[int] = None):
+        """As :meth:`HFSampler.rollout`; the actions are sampled by the server.
+
+        With ``seed``, every request carries a seed derived from it (per episode for vLLM;
+        per request for trajgrad, whose requests hold a whole batch): same seed, same
+        server weights, same batch: same trajectories. SGLang requests carry no seed.
+        """
+        self._ensure_context_limit()
+        self._seeded = seed is not None
+        try:
+            return super().rollout(task_source_or_env_factory, tasks, group_size=group_size, seed=seed)
+        finally:
+            self._turn_versions = iter(())
+
+    def _seeds(self, n: int, generator) -> List[Optional[int]]:
+        if not self._seeded:
+            return [None] * n
+        return [int(x) for x in torch.randint(0, 2**62, (n,), generator=generator).tolist()]
+
+    def _generate(self, seqs: List[List[int]], generator) -> List[Tuple[List[int], List[float], bool]]:
+        if self.server == "trajgrad":
+            step = self.max_batch_size or len(seqs)
+            chunks = [seqs[i:i + step] for i in range(0, len(seqs), step)]
+            seeds = self._seeds(len(chunks), generator)
+            parts = list(self._pool.map(self._request_trajgrad, chunks, seeds))
+            rows = [row for part in parts for row in part]
+        else:
+            seeds = self._seeds(len(seqs), generator)
+            fn = self._request_vllm if self.server == "vllm" else self._request_sglang
+            rows = list(self._pool.map(fn, seqs, seeds))
+        # HFSampler._advance is called once per row, in order: hand it each row's version
+        self._turn_versions = iter([r[3] for r in rows])
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def _advance(self, ep, action, logp, cut, version, gen_s, sampling) -> None:
+        served = next(self._turn_versions, None)
+        super()._advance(ep, action, logp, cut, version if served is None else served, gen_s, sampling)
+
+    def _finish(self, ids: List[int], logps: List[float], what: str) -> Tuple[List[int], List[float], bool]:
+        """Validate one served action; greedy records 0.0 (a deterministic policy)."""
+        if not ids:
+            raise ValueError(f"server: the {self.server} server returned an empty completion ({what})")
+        if len(ids) != len(logps):
+            raise ValueError(
+                f"server: the {self.server} server returned {len(ids)} token ids but {len(logps)} log-probs ({what})"
+            )
+        out = []
+        for x in logps:
+            if x is None or not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+                raise ValueError(f"server: the {self.server} server returned the log-prob {x!r} for a sampled token ({what})")
+            x = float(x)
+            if x > _POSITIVE_SLACK:
+                raise ValueError(f"server: the {self.server} server returned a positive log-prob {x} ({what})")
+            out.append(min(x, 0.0))
+        if self.greedy:
+            out = [0.0] * len(ids)
+        if len(ids) > self.max_new_tokens:
+            raise ValueError(
+                f"server: the {self.server} server returned {len(ids)} tokens, more than max_new_tokens="
+                f"{self.max_new_tokens} ({what})"
+            )
+        cut = ids[-1] != self.eos_id
+        return list(ids), out, cut
+
+    def _common(self) -> Dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+        }
+
+    def _request_trajgrad(self, seqs: List[List[int]], seed: Optional[int]):
+        body = {
+            "model": self.request_model, "prompt": [list(s) for s in seqs], "max_tokens": self.max_new_tokens,
+            "n": 1, "logprobs": 0, "stop_token_ids": [self.eos_id], "return_tokens_as_token_ids": True,
+            **self._common(),
+        }
+        if seed is not None:
+            body["seed"] = seed
+        data = self._post("/v1/completions", body)
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(seqs):
+            raise ValueError(f"server: expected {len(seqs)} choices from the trajgrad server, got {data!r:.300}")
+        choices = sorted(choices, key=lambda c: c.get("index", 0))
+        out = []
+        for c in choices:
+            ids = c.get("token_ids")
+            lp = (c.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or lp is None:
+                raise ValueError("server: the trajgrad server's choice lacks token_ids or logprobs.token_logprobs")
+            version = c.get("policy_version", data.get("policy_version"))
+            action, logp, cut = self._finish(list(ids), list(lp), f"choice {c.get('index')}")
+            out.append((action, logp, cut, int(version) if version is not None else self.policy_version))
+        return out
+
+    def _request_vllm(self, seq: List[int], seed: Optional[int]):
+        body = {
+            "model": self.request_model, "prompt": list(seq), "max_tokens": self.max_new_tokens, "n": 1,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "stop_token_ids": [self.eos_id],
+            "skip_special_tokens": False, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, **self._common(),
+        }
+        if seed is not None:
+            body["seed"] = seed
+        data = self._post("/v1/completions", body)
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"server: the vllm server's answer has no choices: {data!r:.300}") from None
+        lp = choice.get("logprobs")
+        if not isinstance(lp, dict) or lp.get("tokens") is None or lp.get("token_logprobs") is None:
+            raise ValueError(
+                "server: the vllm server returned no logprobs (send logprobs=0; is this a vLLM server?)"
+            )
+        ids = []
+        for tok in lp["tokens"]:
+            if not isinstance(tok, str) or not tok.startswith(_TOKEN_ID_PREFIX):
+                raise ValueError(
+                    f"server: the vllm server returned the token {tok!r} instead of 'token_id:<id>'; it must honour "
+                    f"return_tokens_as_token_ids (vLLM >= 0.5, or start it with --return-tokens-as-token-ids)"
+                )
+            ids.append(int(tok[len(_TOKEN_ID_PREFIX):]))
+        plain = choice.get("token_ids")
+        if plain is not None and list(plain) != ids:
+            raise ValueError("server: the vllm server's token_ids disagree with its logprobs.tokens")
+        action, logp, cut = self._finish(ids, list(lp["token_logprobs"]), "vllm choice")
+        return action, logp, cut, self.policy_version
+
+    def _request_sglang(self, seq: List[int], seed: Optional[int]):
+        sp = {
+            "max_new_tokens": self.max_new_tokens, "stop_token_ids": [self.eos_id], "min_p": 0.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0, "skip_special_tokens": False, "no_stop_trim": True,
+            **self._common(),
+        }
+        body = {"input_ids": list(seq), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+        data = self._post("/generate", body)
+        if isinstance(data, list):
+            data = data[0] if data else {}
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        items = (meta or {}).get("output_token_logprobs")
+        if not isinstance(items, list):
+            raise ValueError("server: the sglang server returned no meta_info.output_token_logprobs (send return_logprob)")
+        ids, lps = [], []
+        for it in items:
+            if not isinstance(it, (list, tuple)) or len(it) < 2:
+                raise ValueError(f"server: unexpected sglang output_token_logprobs entry {it!r}")
+            lps.append(it[0])
+            ids.append(int(it[1]))
+        plain = data.get("output_ids")
+        if plain is not None and list(plain)[-len(ids):] != ids:
+            raise ValueError("server: the sglang server's output_ids disagree with its output_token_logprobs")
+        version = self.policy_version
+        wv = (meta or {}).get("weight_version")
+        if wv is not None:
+            try:
+                version = int(wv)
+            except (TypeError, ValueError):
+                pass
+        action, logp, cut = self._finish(ids, lps, "sglang output")
+        return action, logp, cut, version
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
+        """Save ``model``'s trainable weights, load them into the server, record ``version``.
+
+        * LoRA (peft) models: the adapter, with ``model.save_pretrained`` (
+          ``adapter_config.json`` + ``adapter_model.safetensors``).
+        * Other models: ``trainable.safetensors``, the parameters with ``requires_grad``
+          by ``named_parameters()`` name (trajgrad server); the full Hugging Face
+          checkpoint (``save_pretrained``) for SGLang.
+
+        Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM (LoRA only):
+        ``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}``
+        (the server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``),
+        later requests name that adapter and the previous one is unloaded; SGLang:
+        ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (a LoRA model is
+        merged into a copy of its base first). Turns sampled afterwards record ``version``.
+
+        Returns the directory written (``save_dir/v{version:06d}``). The server reads it, so
+        ``save_dir`` must be on a file system the server can see.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        model = _unwrap(model)
+        out = Path(os.fspath(save_dir)).expanduser().resolve() / f"v{version:06d}"
+        out.mkdir(parents=True, exist_ok=True)
+        peft = _is_peft(model)
+        if self.server == "trajgrad":
+            if peft:
+                model.save_pretrained(str(out))
+            else:
+                _save_trainable(model, out / "trainable.safetensors", version)
+            data = self._post("/reload", {"path": str(out), "version": version})
+            served = data.get("policy_version") if isinstance(data, dict) else None
+            if served != version:
+                raise ValueError(f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}")
+        elif self.server == "vllm":
+            if not peft:
+                raise ValueError(
+                    "model: vLLM loads new weights at run time only as LoRA adapters (/v1/load_lora_adapter); "
+                    "train with LoRA, or restart vLLM on the saved checkpoint"
+                )
+            model.save_pretrained(str(out))
+            name = f"{self.lora_name}-v{version}"
+            self._post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
+            previous, self._loaded_adapter = self._loaded_adapter, name
+            self.request_model = name
+            if previous is not None and previous != name:
+                try:  # best effort: an unloaded old adapter only costs server memory
+                    self._post_text("/v1/unload_lora_adapter", {"lora_name": previous})
+                except (ValueError, ConnectionError):
+                    pass
+        else:  # sglang
+            if peft:
+                import copy
+
+                merged = copy.deepcopy(model).merge_and_unload()
+                merged.save_pretrained(str(out), safe_serialization=True)
+                del merged
+            else:
+                model.save_pretrained(str(out), safe_serialization=True)
+            data = self._post("/update_weights_from_disk", {"model_path": str(out), "weight_version": str(version)})
+            if isinstance(data, dict) and data.get("success") is False:
+                raise ValueError(f"server: the sglang server refused the weights: {data.get('message')}")
+        self.set_policy_version(version)
+        return out
+
+    def _post_text(self, path: str, body: Dict[str, Any]) -> Any:
+        """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
+        import httpx
+
+        try:
+            resp = self.client.post(self._url(path), json=body, timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
+        if resp.status_code >= 400:
+            return self._json(resp, path)
+        return resp.text
+
+
+_LOGPROB_SOURCE = {
+    "trajgrad": "recorded while sampling (processed distribution)",
+    "vllm": "vLLM logprobs (exact only with --logprobs-mode processed_logprobs)",
+    "sglang": "SGLang return_logprob (after temperature; no top-k/top-p)",
+}
+
+
+def _save_trainable(model: torch.nn.Module, path: Path, version: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            tensors[name] = p.detach().to("cpu").contiguous().clone()
+    if not tensors:
+        raise ValueError("model: has no parameter with requires_grad; nothing to sync")
+    save_file(tensors, str(path), metadata={"format": "pt", "content": "trainable_parameters", "version": str(version)})
