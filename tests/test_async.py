@@ -299,15 +299,22 @@ def ray_session():
     ray.shutdown()
 
 
-def _expected_advantages(tr, batch):
+def _critic_values(tr, batch):
+    with torch.no_grad():
+        hidden = torch.cat([tr._logprobs(batch.select(i), want_hidden=True).hidden
+                            for i in tr._micro_batches(len(batch))])
+        return tr.value_head(hidden).double()
+
+
+def _expected_advantages(tr, batch, values_before):
     """Skip-observation GAE called directly on the collated batch with the critic's values
-    (after its K updates, before the policy step)."""
+    after its K updates (before the policy step). A row that did not terminate bootstraps
+    from the value of its last action token as the learner computed it, i.e. before this
+    update's critic steps (``values_before``)."""
     obj = tr.objective
     mask = batch.action_mask
     B, L = mask.shape
-    with torch.no_grad():
-        hidden = torch.cat([tr._logprobs(batch.select(i), want_hidden=True).hidden for i in tr._micro_batches(B)])
-        values = tr.value_head(hidden).double()
+    values = _critic_values(tr, batch)
     # token rewards built here from the turns: each turn's reward on its last action token
     tok_r = torch.zeros(B, L, dtype=torch.float64)
     last = torch.full((B,), -1, dtype=torch.long)
@@ -320,7 +327,7 @@ def _expected_advantages(tr, batch):
                     tok_r[b, j] += float(batch.turn_rewards[b, k])
     terminated = torch.zeros(B, L, dtype=torch.bool)
     terminated[torch.arange(B), last] = batch.terminated
-    boot = torch.where(batch.terminated, torch.zeros(B, dtype=torch.float64), values[torch.arange(B), last])
+    boot = torch.where(batch.terminated, torch.zeros(B, dtype=torch.float64), values_before[torch.arange(B), last])
     out = returns.token_skip_observation_gae(values, tok_r, mask, gamma=obj.gamma, lam=obj.lam,
                                              terminated=terminated, bootstrap_value=boot)
     return out.advantages, values, tok_r, boot
@@ -332,7 +339,7 @@ def async_run(ray_session, tmp_path_factory):
     at = AsyncTrainer(_config(3), run_dir, console=lambda *a: None)
     tr = at.trainer
     rec = {"batches": [], "adv": [], "killed": None, "lags": []}
-    learn, policy_update = tr.learn, tr._policy_update
+    learn, policy_update, critic_phase = tr.learn, tr._policy_update, tr._critic_phase
 
     def spy_learn(trajs):
         v = tr.policy_version
@@ -354,13 +361,18 @@ def async_run(ray_session, tmp_path_factory):
             rec["killed"] = prog[0]
         return learn(trajs)
 
+    def spy_critic_phase(batch, *args, **kwargs):
+        rec["values_before"] = _critic_values(tr, batch)
+        return critic_phase(batch, *args, **kwargs)
+
     def spy_policy_update(batch, advantages, *args, **kwargs):
-        exp, values, tok_r, boot = _expected_advantages(tr, batch)
+        exp, values, tok_r, boot = _expected_advantages(tr, batch, rec.pop("values_before"))
         rec["adv"].append((advantages.detach().clone(), exp, values, tok_r, boot, batch))
         return policy_update(batch, advantages, *args, **kwargs)
 
     tr.learn = spy_learn
     tr._policy_update = spy_policy_update
+    tr._critic_phase = spy_critic_phase
     t0 = time.perf_counter()
     summary = at.run()
     rec["seconds"] = time.perf_counter() - t0
@@ -443,7 +455,8 @@ def test_async_metrics_logged(async_run):
 def test_async_resume_continues_and_counts_lost_in_flight(async_run):
     at, _, _, run_dir, state = async_run
     assert state["step"] == 3
-    cfg = _config(4)
+    # one worker is enough for the last update (and boots faster)
+    cfg = _config(4, asynchronous={"workers": 1})
     at2 = AsyncTrainer(cfg, run_dir, resume=True, console=lambda *a: None)
     assert at2.trainer.step == 3 and at2.trainer.policy_version == 3
     assert at2.counters["lost_on_resume"] == state["in_flight"] >= 1
@@ -457,7 +470,7 @@ def test_async_resume_continues_and_counts_lost_in_flight(async_run):
 
 def test_grouped_baseline_measures_group_wait(ray_session, tmp_path):
     cfg = _config(1, recipe="grpo", train={"steps": 1, "prompts_per_step": 1, "group_size": 2, "micro_batch_size": 4},
-                  asynchronous={"enabled": False})
+                  asynchronous={"enabled": False, "workers": 1})
     gt = GroupedRayTrainer(cfg, tmp_path / "g", console=lambda *a: None)
     summary = gt.run()
     assert summary["steps"] == 1 and summary["group_size"] == 2

@@ -480,3 +480,20 @@ def test_lora_wrapped_model_is_sampled_exactly(tok):
     with model.disable_adapter():
         logp_base, _ = learner_logp(model, batch, **sampling)
     assert (logp_base - batch.old_logp)[batch.action_mask].abs().max() > 1e-3
+
+
+def test_before_turn_hook_updates_version_between_turns(tok, model):
+    """before_turn(k) runs before the k-th batched generation; a version set there is
+    recorded on the turns sampled after it (§16), the earlier turns keep theirs."""
+    sampler = HFSampler(model, tok, temperature=1.0, max_new_tokens=4)
+    calls = []
+
+    def hook(k):
+        calls.append(k)
+        sampler.set_policy_version(10 + k)
+
+    trajs = sampler.rollout(Recorder(max_turns=3), tasks(2), seed=0, before_turn=hook)
+    assert calls == [0, 1, 2]
+    assert [[turn.policy_version for turn in t.turns] for t in trajs] == [[10, 11, 12], [10, 11, 12]]
+    with pytest.raises(ValueError, match="before_turn"):
+        sampler.rollout(Recorder(), tasks(1), before_turn=3)

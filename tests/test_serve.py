@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trajgrad.envs.base import StepResult, Task
 from trajgrad.rollout import collate
@@ -159,6 +161,34 @@ def test_served_logprobs_equal_learner_recompute(served, tok, learner, sampling)
         assert s["server"] == "trajgrad" and s["backend"] == "openai" and s["model"] == MODEL_NAME
         assert s["temperature"] == sampling["temperature"] and s["seed"] == 1
         assert s["top_k"] == sampling.get("top_k") and s["top_p"] == sampling.get("top_p")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.one_of(st.none(), st.integers(1, 60)),
+    top_p=st.one_of(st.none(), st.floats(0.2, 1.0)),
+    prompt=st.lists(st.integers(4, 100), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31),
+)
+def test_property_any_settings_logprobs_are_the_learners(served, learner, temperature, top_k, top_p, prompt, seed):
+    """For any temperature / top-k / top-p and prompt, each reported token log-prob equals
+    the learner's log-prob of that token under the same processed distribution."""
+    r = httpx.post(served.url + "/v1/completions", json={
+        "prompt": prompt, "n": 3, "max_tokens": 6, "logprobs": 0, "temperature": temperature, "top_k": top_k,
+        "top_p": top_p, "seed": seed}, timeout=60)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        ids = torch.tensor([prompt + c["token_ids"]])
+        am = torch.ones_like(ids)
+        mask = torch.zeros_like(am[:, 1:])
+        mask[:, len(prompt) - 1:] = 1
+        with torch.no_grad():
+            lp = learner_logprobs(learner, ids, am, mask, temperature=temperature, top_k=top_k, top_p=top_p).logp
+        expected = lp[0, len(prompt) - 1:].double()
+        got = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float64)
+        assert torch.isfinite(expected).all()
+        assert (expected - got).abs().max().item() < 1e-5
 
 
 def test_seeded_rollouts_reproduce(served, tok):
@@ -374,7 +404,8 @@ def test_lora_adapter_sync(tok, learner, tmp_path):
                     if "lora_B" in n:
                         p.mul_(-1.5)
         # an adapter with another rank is refused, nothing changes
-        other = get_peft_model(copy.deepcopy(learner), LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        r2 = LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        other = get_peft_model(copy.deepcopy(learner), r2)
         other.save_pretrained(tmp_path / "r2")
         r = httpx.post(srv.url + "/reload", json={"path": str(tmp_path / "r2"), "version": 9})
         assert r.status_code == 400 and "r=" in r.json()["error"]["message"]
@@ -438,6 +469,8 @@ def test_concurrent_requests_are_answered(served, client):
         ({"prompt": "x", "temperature": -0.5}, "temperature", 400),
         ({"prompt": "x", "temperature": "hot"}, "temperature", 400),
         ({"prompt": "x", "temperature": True}, "temperature", 400),
+        ({"prompt": "x", "temperature": 1e-300}, "temperature", 400),
+        ({"prompt": "x", "temperature": 10**400}, "temperature", 400),
         ({"prompt": "x", "top_p": 0}, "top_p", 400),
         ({"prompt": "x", "top_p": 1.5}, "top_p", 400),
         ({"prompt": "x", "top_k": -5}, "top_k", 400),
@@ -541,7 +574,8 @@ def test_vllm_sync_requires_lora_and_names_versions(tok, learner, tmp_path):
         s.sync_weights(policy, 1, tmp_path)
         s.sync_weights(policy, 2, tmp_path)
         assert s.request_model == "trajgrad-policy-v2" and s.policy_version == 2
-    assert seen[0] == ("/v1/load_lora_adapter", {"lora_name": "trajgrad-policy-v1", "lora_path": str(tmp_path.resolve() / "v000001")})
+    v1_dir = str(tmp_path.resolve() / "v000001")
+    assert seen[0] == ("/v1/load_lora_adapter", {"lora_name": "trajgrad-policy-v1", "lora_path": v1_dir})
     assert seen[1][0] == "/v1/load_lora_adapter" and seen[1][1]["lora_name"] == "trajgrad-policy-v2"
     assert seen[2] == ("/v1/unload_lora_adapter", {"lora_name": "trajgrad-policy-v1"})
     assert (tmp_path / "v000001" / "adapter_config.json").is_file()
@@ -643,3 +677,35 @@ def test_create_app_bad_arguments(tok, learner):
         create_app(learner, tok, model_name="m", policy_version=-1)
     with pytest.raises(ValueError, match="max_batch_rows"):
         create_app(learner, tok, model_name="m", max_batch_rows=0)
+
+
+
+def test_cli_serve_builds_and_runs_the_app(monkeypatch, capsys):
+    """`trajgrad serve` builds the model, the app, and hands it to uvicorn on loopback; a
+    non-loopback host gets a warning (no authentication)."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from trajgrad.cli import app as cli_app
+
+    calls = []
+
+    def fake_run(app, host, port, log_level):
+        calls.append((host, port))
+        with TestClient(app) as c:
+            calls.append(c.get("/health").json())
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 0})
+            calls.append(r.json()["choices"][0]["policy_version"])
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    res = CliRunner().invoke(cli_app, ["serve", "--model", "tiny", "--port", "8123", "--model-name", "cli-tiny",
+                                       "--policy-version", "3", "--seed", "0"])
+    assert res.exit_code == 0, res.output
+    assert calls == [("127.0.0.1", 8123), {"status": "ok", "model": "cli-tiny", "policy_version": 3}, 3]
+    res = CliRunner().invoke(cli_app, ["serve", "--model", "nope"])
+    assert res.exit_code == 2 and "model" in res.output
+    from trajgrad.serve import main
+
+    main(host="0.0.0.0", port=8124, model="tiny")
+    assert "no authentication" in capsys.readouterr().err

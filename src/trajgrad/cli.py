@@ -133,6 +133,28 @@ def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.
         typer.echo(str(p))
 
 
+@app.command()
+def serve(
+    model: str = typer.Option("tiny", "--model", help="tiny (random test model) or smollm2 (SmolLM2-135M-Instruct)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind. No authentication: keep it on loopback."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 parameters (head in float32)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="A peft adapter directory to load at start."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Served model id (default trajgrad-<model>)."),
+    policy_version: int = typer.Option(0, "--policy-version", help="Version reported before the first /reload."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the generator for unseeded requests."),
+) -> None:
+    """Serve a model over an OpenAI-compatible API with exact behaviour log-probs (docs/serving.md)."""
+    from .serve import main as serve_main
+
+    try:
+        serve_main(host=host, port=port, model=model, dtype=dtype, adapter=None if adapter is None else str(adapter),
+                   model_name=model_name, policy_version=policy_version, seed=seed)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
 def main() -> None:  # console script entry point
     app()
 

@@ -13,7 +13,11 @@ exactly as :func:`trajgrad.logprobs.sampling_logits` warps):
 and the value reported in ``logprobs.token_logprobs`` is that number, recorded at the
 moment the token was drawn. It is the behaviour log-probability an importance ratio needs
 in its denominator (spec §7): a learner that recomputes it with the same weights gets a
-ratio of one. Greedy requests (``temperature == 0``) report 0.0 (probability one).
+ratio of one. Greedy requests (``temperature == 0``) report 0.0 (probability one); their
+``top_logprobs`` and ``echo`` scores use the raw distribution (``log_softmax`` of the
+logits, no temperature). ``top_logprobs`` alternatives (``logprobs`` > 0) are recomputed
+in one forward pass after sampling; ``token_logprobs`` are the values recorded while
+sampling.
 
 Endpoints:
 
@@ -69,6 +73,7 @@ __all__ = ["create_app", "main", "load_weights", "ServerState"]
 
 _INT64_MAX = 2**63 - 1
 _MAX_LOGPROBS = 20
+_MIN_TEMPERATURE = 1e-6
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -209,7 +214,8 @@ def _load_adapter(state: "ServerState", path: Path):
     unexpected = sorted(set(loaded) - set(expected))
     if missing or unexpected:
         raise RequestError(
-            f"path: adapter tensors do not match the served adapter (missing {missing[:3]}, unexpected {unexpected[:3]})",
+            f"path: adapter tensors do not match the served adapter "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
             param="path",
         )
     for key, t in loaded.items():
@@ -243,7 +249,7 @@ def _load_trajgrad_checkpoint(state: "ServerState", path: Path):
     return apply, -1
 
 
-def load_weights(state: "ServerState", path: Union[str, os.PathLike]) -> Dict[str, Any]:
+def load_weights(state: "ServerState", path: Union[str, os.PathLike], version: Optional[int] = None) -> Dict[str, Any]:
     """Load the weights at ``path`` into ``state.model`` in place, under ``state.lock``.
 
     Formats, tried in this order:
@@ -264,31 +270,38 @@ def load_weights(state: "ServerState", path: Union[str, os.PathLike]) -> Dict[st
        Values are cast to the served dtype.
 
     Everything is read and checked before the model is touched; a bad file leaves the
-    served weights unchanged. Returns ``{"format", "tensors", "seconds"}``.
+    served weights (and version) unchanged. Files are read without holding the sampling
+    lock; reloads are serialized among themselves. With ``version``, the new weights and
+    the new ``policy_version`` become visible together: no token is sampled with one but
+    not the other. Returns ``{"format", "tensors", "seconds"}``.
     """
     t0 = time.perf_counter()
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise RequestError(f"version: must be a non-negative integer, got {version!r}", param="version")
     p = Path(os.fspath(path)).expanduser()
-    if not p.exists():
-        raise RequestError(f"path: {p} does not exist (on the server's file system)", param="path")
-    if p.is_dir() and (p / "adapter_config.json").is_file():
-        kind = "peft_adapter"
-        apply, n = _load_adapter(state, p)
-    elif p.is_dir() and ((p / "manifest.json").is_file() or (p / "checkpoints" / "latest").is_file()):
-        kind = "trajgrad_checkpoint"
-        apply, n = _load_trajgrad_checkpoint(state, p)
-    else:
-        files = _safetensors_files(p)
-        if files is None:
-            raise RequestError(
-                f"path: {p} is neither a peft adapter directory, a trajgrad checkpoint, nor safetensors weights",
-                param="path",
-            )
-        kind = "safetensors"
-        with state.lock:  # the served model object is fixed while we check names
+    with state.reload_lock:
+        if not p.exists():
+            raise RequestError(f"path: {p} does not exist (on the server's file system)", param="path")
+        if p.is_dir() and (p / "adapter_config.json").is_file():
+            kind = "peft_adapter"
+            apply, n = _load_adapter(state, p)
+        elif p.is_dir() and ((p / "manifest.json").is_file() or (p / "checkpoints" / "latest").is_file()):
+            kind = "trajgrad_checkpoint"
+            apply, n = _load_trajgrad_checkpoint(state, p)
+        else:
+            files = _safetensors_files(p)
+            if files is None:
+                raise RequestError(
+                    f"path: {p} is neither a peft adapter directory, a trajgrad checkpoint, nor safetensors weights",
+                    param="path",
+                )
+            kind = "safetensors"
             apply, n = _load_named_tensors(state.model, files)
-    with state.lock:
-        apply()
-        state.model.eval()
+        with state.lock:
+            apply()
+            state.model.eval()
+            if version is not None:
+                state.policy_version = int(version)
     return {"format": kind, "tensors": n, "seconds": time.perf_counter() - t0}
 
 
@@ -321,6 +334,7 @@ class ServerState:
         self.model_name = model_name
         self.policy_version = int(policy_version)
         self.lock = lock
+        self.reload_lock = threading.Lock()
         self.device = _model_device(model)
         self.generator = torch.Generator(device=self.device)
         if seed is None:
@@ -438,13 +452,14 @@ class ServerState:
             ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
             am[b, : len(r)] = 1
         ids, am = ids.to(self.device), am.to(self.device)
+        if temperature <= 0:  # greedy: score under the raw distribution
+            temperature, top_k, top_p = 1.0, None, None
         with self.lock:
             version = self.policy_version
             self.model.eval()
             with torch.no_grad():
-                out = learner_logprobs(self.model, ids, am, am[:, 1:], temperature=temperature if temperature > 0 else 1.0,
-                                       top_k=top_k if temperature > 0 else None,
-                                       top_p=top_p if temperature > 0 else None)
+                out = learner_logprobs(self.model, ids, am, am[:, 1:], temperature=temperature, top_k=top_k,
+                                       top_p=top_p)
         logp = out.logp.float().cpu().tolist()
         res = []
         for b, r in enumerate(rows):
@@ -525,7 +540,10 @@ class _Plan:
 
 
 def _finite(name: str, v) -> float:
-    x = float(v)
+    try:
+        x = float(v)
+    except OverflowError:
+        raise RequestError(f"{name}: must be finite, got a number too large for a float", param=name) from None
     if not math.isfinite(x):
         raise RequestError(f"{name}: must be finite, got {v!r}", param=name)
     return x
@@ -556,7 +574,8 @@ def _plan(state: ServerState, req) -> _Plan:
                           ("repetition_penalty", (1, 1.0)), ("min_p", (0, 0.0)), ("min_tokens", (0,))):
         _neutral(req, name, neutral)
     if req.logit_bias:
-        raise RequestError("logit_bias: not supported (the reported log-probs would not describe it)", param="logit_bias")
+        raise RequestError("logit_bias: not supported (the reported log-probs would not describe it)",
+                           param="logit_bias")
     if req.suffix:
         raise RequestError("suffix: not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -565,6 +584,13 @@ def _plan(state: ServerState, req) -> _Plan:
     temperature = 1.0 if req.temperature is None else _finite("temperature", req.temperature)
     if temperature < 0:
         raise RequestError(f"temperature: must be >= 0 (0 = greedy), got {req.temperature!r}", param="temperature")
+    if 0 < temperature < _MIN_TEMPERATURE:
+        raise RequestError(
+            f"temperature: positive values below {_MIN_TEMPERATURE} are not supported (the scaled logits can "
+            f"overflow); use 0 for greedy, "
+            f"got {req.temperature!r}",
+            param="temperature",
+        )
     top_p = None
     if req.top_p is not None:
         top_p = _finite("top_p", req.top_p)
@@ -861,6 +887,10 @@ def create_app(
     async def _request_error(_request: Request, exc: RequestError):
         return JSONResponse(_error_body(str(exc), exc.status, exc.param), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def _server_error(_request: Request, exc: Exception):
+        return JSONResponse(_error_body(f"server: {type(exc).__name__}: {exc}", 500, None), status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc.errors())
@@ -894,13 +924,7 @@ def create_app(
         if req.version < 0:
             raise RequestError(f"version: must be a non-negative integer, got {req.version}", param="version")
 
-        def work():
-            info = load_weights(state, req.path)
-            with state.lock:
-                state.policy_version = int(req.version)
-            return info
-
-        info = await run_in_threadpool(work)
+        info = await run_in_threadpool(load_weights, state, req.path, int(req.version))
         return {"status": "ok", "policy_version": state.policy_version, **info}
 
     return app

@@ -23,6 +23,7 @@ _LAZY = {
     "build_char_tokenizer": "models",
     "build_tiny_model": "models",
     "load_smollm2": "models",
+    "OpenAISampler": "openai_backend",
 }
 
 __all__ = [

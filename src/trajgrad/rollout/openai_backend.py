@@ -46,7 +46,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -205,23 +205,22 @@ class OpenAISampler(HFSampler):
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+    def _send(self, method: str, path: str, body: Optional[Dict[str, Any]] = None):
         import httpx
 
         try:
-            resp = self.client.post(self._url(path), json=body, timeout=self.timeout)
+            if method == "GET":
+                return self.client.get(self._url(path), timeout=self.timeout)
+            return self.client.post(self._url(path), json=body, timeout=self.timeout)
         except httpx.HTTPError as exc:
-            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
-        return self._json(resp, path)
+            where = f"the {self.server} server at {self._url(path)}"
+            raise ConnectionError(f"server: cannot reach {where} ({exc})") from exc
+
+    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+        return self._json(self._send("POST", path, body), path)
 
     def _get(self, path: str) -> Any:
-        import httpx
-
-        try:
-            resp = self.client.get(self._url(path), timeout=self.timeout)
-        except httpx.HTTPError as exc:
-            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
-        return self._json(resp, path)
+        return self._json(self._send("GET", path), path)
 
     def _json(self, resp, path: str) -> Any:
         try:
@@ -309,7 +308,9 @@ class OpenAISampler(HFSampler):
         out = []
         for x in logps:
             if x is None or not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-                raise ValueError(f"server: the {self.server} server returned the log-prob {x!r} for a sampled token ({what})")
+                raise ValueError(
+                    f"server: the {self.server} server returned the log-prob {x!r} for a sampled token ({what})"
+                )
             x = float(x)
             if x > _POSITIVE_SLACK:
                 raise ValueError(f"server: the {self.server} server returned a positive log-prob {x} ({what})")
@@ -401,7 +402,9 @@ class OpenAISampler(HFSampler):
         meta = data.get("meta_info") if isinstance(data, dict) else None
         items = (meta or {}).get("output_token_logprobs")
         if not isinstance(items, list):
-            raise ValueError("server: the sglang server returned no meta_info.output_token_logprobs (send return_logprob)")
+            raise ValueError(
+                "server: the sglang server returned no meta_info.output_token_logprobs (send return_logprob)"
+            )
         ids, lps = [], []
         for it in items:
             if not isinstance(it, (list, tuple)) or len(it) < 2:
@@ -457,7 +460,9 @@ class OpenAISampler(HFSampler):
             data = self._post("/reload", {"path": str(out), "version": version})
             served = data.get("policy_version") if isinstance(data, dict) else None
             if served != version:
-                raise ValueError(f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}")
+                raise ValueError(
+                    f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}"
+                )
         elif self.server == "vllm":
             if not peft:
                 raise ValueError(
@@ -491,12 +496,7 @@ class OpenAISampler(HFSampler):
 
     def _post_text(self, path: str, body: Dict[str, Any]) -> Any:
         """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
-        import httpx
-
-        try:
-            resp = self.client.post(self._url(path), json=body, timeout=self.timeout)
-        except httpx.HTTPError as exc:
-            raise ConnectionError(f"server: cannot reach the {self.server} server at {self._url(path)} ({exc})") from exc
+        resp = self._send("POST", path, body)
         if resp.status_code >= 400:
             return self._json(resp, path)
         return resp.text

@@ -517,6 +517,8 @@ class _RayLearner:
         }
         self.lost_keys: List[str] = []
         self._t_start = time.perf_counter()
+        self._t_loop = 0.0
+        self._saved_step = -1
 
     def _check_recipe(self, cfg: Config) -> None:
         raise NotImplementedError
@@ -621,7 +623,13 @@ class _RayLearner:
     def _async_state(self) -> Dict[str, Any]:
         return {"step": self.trainer.step, "counters": dict(self.counters)}
 
+    def _final_save(self) -> None:
+        """Checkpoint a run stopped early (``max_seconds``) unless its last step was saved."""
+        if self.cfg.checkpoint.every and self._saved_step != self.trainer.step:
+            self.save()
+
     def save(self) -> Path:
+        self._saved_step = self.trainer.step
         path = self.trainer.save()
         tmp = self.run_dir / (ASYNC_STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(self._async_state(), default=float))
@@ -854,6 +862,8 @@ class AsyncTrainer(_RayLearner):
                         break
                     self._update(batch, bar)
             bar.close()
+            self._t_loop = time.perf_counter() - self._t_start
+            self._final_save()
         finally:
             left = len(self.pool.jobs) if self.pool is not None else 0
             pending = len(self.gate.pending)
@@ -865,7 +875,8 @@ class AsyncTrainer(_RayLearner):
             "discarded_mixed": self.counters["discarded_mixed"], "lost_episodes": self.counters["lost_episodes"],
             "failed_episodes": self.counters["failed_episodes"], "replaced_workers": self.pool.replaced if self.pool else 0,
             "unused_in_flight_at_end": left, "unused_pending_at_end": pending,
-            "seconds": time.perf_counter() - self._t_start,
+            "seconds": self._t_loop,
+            "trajectories_per_s": self.counters["trajectories_finished"] / max(self._t_loop, 1e-9),
         }
         return self._finish(summary)
 
@@ -982,6 +993,8 @@ class GroupedRayTrainer(_RayLearner):
                 if cfg.checkpoint.every and (tr.step % cfg.checkpoint.every == 0 or tr.step == cfg.train.steps):
                     self.save()
             bar.close()
+            self._t_loop = time.perf_counter() - self._t_start
+            self._final_save()
         finally:
             self._stop()
         summary: Dict[str, Any] = {
@@ -989,7 +1002,8 @@ class GroupedRayTrainer(_RayLearner):
             "episodes_finished": self.counters["episodes_finished"], "group_wait_W_total": totals["W"],
             "group_wait_W_per_rollout": totals["W"] / max(totals["rollouts"], 1),
             "incomplete_groups": totals["incomplete_groups"], "lost_episodes": self.counters["lost_episodes"],
-            "seconds": time.perf_counter() - self._t_start,
+            "seconds": self._t_loop,
+            "trajectories_per_s": self.counters["trajectories_finished"] / max(self._t_loop, 1e-9),
         }
         return self._finish(summary)
 

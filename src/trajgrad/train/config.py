@@ -59,6 +59,15 @@ class SamplingConfig(_Strict):
     max_new_tokens: int = Field(48, ge=1)
 
 
+class RolloutConfig(_Strict):
+    """Where rollouts come from: in-process Hugging Face sampling, or an OpenAI-compatible server."""
+
+    backend: Literal["hf", "openai"] = "hf"
+    base_url: Optional[str] = Field(None, description="server URL for backend 'openai', e.g. http://127.0.0.1:8000")
+    server: Literal["trajgrad", "vllm", "sglang"] = "trajgrad"
+    model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
+
+
 class RecipeConfig(_Strict):
     name: str = "grpo"
     overrides: Dict[str, Any] = {}
@@ -149,6 +158,7 @@ class Config(_Strict):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
     recipe: RecipeConfig = RecipeConfig()
     optim: OptimConfig = OptimConfig()
     train: LoopConfig = LoopConfig()

@@ -111,10 +111,21 @@ class Trainer:
         self.teacher = self._build_teacher() if self.objective.loss == "opd" else None
         self.lagrange = LagrangeMultiplier(init=cfg.constraint.init, lr=cfg.constraint.lr, budget=cfg.constraint.budget) \
             if cfg.constraint.enabled else None
-        self.sampler = HFSampler(
-            self.model, self.tokenizer, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
-            top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens, policy_version=0,
-        )
+        if cfg.rollout.backend == "openai":
+            from ..rollout.openai_backend import OpenAISampler
+
+            if not cfg.rollout.base_url:
+                raise ValueError("rollout.base_url: required for backend 'openai'")
+            self.sampler = OpenAISampler(
+                cfg.rollout.base_url, self.tokenizer, model_name=cfg.rollout.model_name or cfg.model.name,
+                temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p,
+                max_new_tokens=cfg.sampling.max_new_tokens, policy_version=0, server=cfg.rollout.server,
+            )
+        else:
+            self.sampler = HFSampler(
+                self.model, self.tokenizer, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens, policy_version=0,
+            )
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
@@ -361,6 +372,14 @@ class Trainer:
         metrics["throughput/samples_per_s"] = len(trajs) / dt * self.world
         return self._reduce_metrics(metrics)
 
+    def _publish(self) -> None:
+        """A new policy version: an external server receives the weights (documented sync step)."""
+        if self.cfg.rollout.backend == "openai":
+            if self.is_main:
+                self.sampler.sync_weights(self.model, self.policy_version, self.run_dir / "weights-sync")
+            dist_lib.barrier()
+        self.sampler.set_policy_version(self.policy_version)
+
     def _sum_int(self, v: int) -> int:
         if self.world == 1:
             return int(v)
@@ -409,7 +428,7 @@ class Trainer:
             metrics.update(self._distill_update(batch))
             metrics["time/update"] = time.perf_counter() - t0
             self.policy_version += 1
-            self.sampler.set_policy_version(self.policy_version)
+            self._publish()
             metrics["policy_version"] = float(self.policy_version)
             return metrics
 
@@ -463,7 +482,7 @@ class Trainer:
         if not warm:
             metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour))
             self.policy_version += 1
-            self.sampler.set_policy_version(self.policy_version)
+            self._publish()
         metrics["time/update"] = time.perf_counter() - t0
         if self.lagrange is not None:
             self.lagrange.update(metrics["constraint/mean_cost"])
