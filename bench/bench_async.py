@@ -185,12 +185,19 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
     state = copy.deepcopy(sft_tr.model.state_dict())
 
     over = {**common, "sft.steps": 0}
+    # SAO first: its wall-clock (logger time, Ray start-up and actor boot included) sets the
+    # budget GRPO gets on the same axis
+    s_cfg = load_config(preset="sao-tiny", overrides=over)
+    at = AsyncTrainer(s_cfg, root / "sao", console=lambda *a: None)
+    at.trainer.model.load_state_dict(state)
+    s_sum = at.run(max_seconds=seconds)
+    sao_wall = max(r["wall_time"] for r in _rows(root / "sao"))
+
     g_cfg = load_config(preset="tiny", overrides=over)
     g = Trainer(g_cfg, root / "grpo", console=lambda *a: None)
     g.model.load_state_dict(state)
-    t0 = time.perf_counter()
     bar = tqdm(desc="grpo (tiny preset)", unit="update")
-    while time.perf_counter() - t0 < seconds:
+    while g.metrics.wall_time < sao_wall:
         m = g.train_step()
         g.step += 1
         g.metrics.log(g.step, m, kind="train")
@@ -198,14 +205,9 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
     bar.close()
     g_after = g.evaluate("after")
 
-    s_cfg = load_config(preset="sao-tiny", overrides=over)
-    at = AsyncTrainer(s_cfg, root / "sao", console=lambda *a: None)
-    at.trainer.model.load_state_dict(state)
-    s_sum = at.run(max_seconds=seconds)
-
     plot_compare({"SAO (sao-tiny: async, 2 Ray workers)": root / "sao", "GRPO (tiny: in-process, G=4)": root / "grpo"},
                  "reward/mean", out_png, x="wall_time", smoothing=0.6,
-                 title=f"training reward at equal wall-clock ({seconds:.0f} s each, same SFT start)")
+                 title=f"training reward at equal wall-clock ({sao_wall:.0f} s each, same SFT start)")
 
     def summary(rows):
         last = rows[-5:]
@@ -218,7 +220,7 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
     gs["trajectories"] = int(sum(1 for _ in open(root / "grpo" / "trajectories.jsonl")))
     ss = summary(_rows(root / "sao"))
     ss["trajectories"] = s_sum["trajectories_trained"]
-    return {"sft_seconds": t_sft, "sft_steps": sft_cfg.sft.steps, "grpo": {**gs, "heldout": g_after.__dict__},
+    return {"sft_seconds": t_sft, "sft_steps": sft_cfg.sft.steps, "wall": sao_wall, "grpo": {**gs, "heldout": g_after.__dict__},
             "sao": {**ss, "heldout": s_sum.get("eval_after", {})}}
 
 
@@ -304,9 +306,11 @@ def write_report(path, args, rows, curves, loads, cmd):
             "",
             f"Both runs start from the same SFT warm start ({curves['sft_steps']} steps as in the presets, run once: "
             f"{curves['sft_seconds']:.0f} s), "
-            f"then train for {args.curve_seconds:.0f} s of wall-clock each, no environment latency: `tiny` (GRPO, "
+            f"then train for the same wall-clock, {curves['wall']:.0f} s each on the metrics clock (SAO: "
+            f"{args.curve_seconds:.0f} s of training loop plus Ray start-up and actor boot), no environment latency: "
+            "`tiny` (GRPO, "
             "in-process sampler, 16 prompts x G = 4 per update) and `sao-tiny` (SAO, 2 Ray workers, 16 trajectories per "
-            "update, max lag 2). The SAO clock includes Ray start-up and actor boot. Curve: "
+            "update, max lag 2). Curve: "
             "[sao_vs_grpo.png](sao_vs_grpo.png) (training reward/mean vs wall-clock, EMA 0.6).",
             "",
             "| run | updates | trajectories trained | reward (first 5 updates) | reward (last 5 updates) | held-out success after |",

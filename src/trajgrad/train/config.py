@@ -37,7 +37,9 @@ class TinyModelConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: Literal["smollm2", "tiny"] = "smollm2"
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="base weights; auto = bfloat16 only where the hardware computes it natively "
+        "(AVX512-BF16/AMX CPUs, CUDA), else float32 (bf16 is emulated and slower on AVX2-only CPUs)")
     lora: Optional[LoraConfig] = LoraConfig()
     tiny: TinyModelConfig = TinyModelConfig()
     gradient_checkpointing: bool = False
@@ -199,7 +201,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # The main job: SmolLM2-135M-Instruct + LoRA learns to use a calculator tool, GRPO.
     "default": {
         "name": "smollm2-calculator-grpo",
-        "model": {"name": "smollm2", "dtype": "bfloat16", "lora": {"r": 8, "alpha": 16}},
+        "model": {"name": "smollm2", "dtype": "auto", "lora": {"r": 8, "alpha": 16}},
         "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64, "options": {"max_turns": 3}},
         "sampling": {"temperature": 1.0, "max_new_tokens": 40},
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},

@@ -15,9 +15,9 @@ from .config import ModelConfig
 
 def build_policy_model(cfg: ModelConfig) -> Tuple[torch.nn.Module, object]:
     """(model, tokenizer) ready for training: LoRA applied when configured."""
-    from ..rollout.models import build_char_tokenizer, build_tiny_model, load_smollm2
+    from ..rollout.models import build_char_tokenizer, build_tiny_model, load_smollm2, preferred_dtype
 
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype) or preferred_dtype()
     if cfg.name == "smollm2":
         model, tok = load_smollm2(dtype=dtype)
     else:

@@ -592,7 +592,7 @@ class Trainer:
         if tc.name == "smollm2":
             if self.cfg.model.name != "smollm2":
                 raise ValueError("teacher.name: 'smollm2' needs model.name 'smollm2' (same tokenizer)")
-            teacher, _ = load_smollm2(dtype=torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32)
+            teacher, _ = load_smollm2(dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}.get(self.cfg.model.dtype, "auto"))
         else:
             if self.cfg.model.name != "tiny":
                 raise ValueError(f"teacher.name: {tc.name!r} builds a tiny teacher; it needs model.name 'tiny'")
