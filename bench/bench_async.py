@@ -159,10 +159,8 @@ def run_grpo_local(mu, sigma, seconds, seed, root):
 
 # ---------------------------------------------------------------------------- part 2
 def reward_curves(seconds, root, out_png, sft_steps=None):
-    import torch
     from tqdm.auto import tqdm
 
-    import trajgrad.train.asynchronous  # noqa: F401  (registers the sao presets)
     from trajgrad.train.asynchronous import AsyncTrainer
     from trajgrad.train.config import load_config
     from trajgrad.train.plot import plot_compare

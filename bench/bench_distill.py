@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,12 @@ def _status_kb(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(field)
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process (all threads)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _reset_peak() -> bool:
@@ -123,24 +130,27 @@ def worker(args) -> None:
     reset_ok = _reset_peak()
     base_rss = _status_kb("VmRSS")
     base_hwm = _status_kb("VmHWM")
-    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    c0, t0 = _cpu_s(), time.perf_counter()
     value, per_token = fn(torch, *inputs, mask, args.chunk)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), _cpu_s()
     peak = _status_kb("VmHWM")
     times = [t1 - t0]
+    cpus = [c1 - c0]
     hs, ws = inputs[0], inputs[1]
     grad_h = hs.grad.detach().clone()
     grad_w_rows = ws.grad[:: max(1, args.vocab // 256)].detach().clone() if ws.grad is not None else None
     for _ in range(args.repeats - 1):
         hs.grad = None
         ws.grad = None
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         fn(torch, *inputs, mask, args.chunk)
         times.append(time.perf_counter() - t0)
+        cpus.append(_cpu_s() - c0)
     torch.save({"value": value, "per_token": per_token, "grad_h": grad_h, "grad_w_rows": grad_w_rows},
                args.tensors)
     print(json.dumps({
-        "time_s": min(times), "times_s": times, "peak_kb": peak, "base_rss_kb": base_rss,
+        "time_s": min(times), "times_s": times, "cpu_s": min(cpus), "cpus_s": cpus, "load": load, "peak_kb": peak, "base_rss_kb": base_rss,
         "base_hwm_kb": base_hwm, "hwm_reset": reset_ok, "value": float(value),
         "threads": torch.get_num_threads(),
     }))
@@ -266,8 +276,10 @@ def _write(args, rows, started, load_before, load_after) -> None:
         f"CPU cores visible {os.cpu_count()}; {platform.machine()}",
         f"- load average (1/5/15 min) before: {' / '.join(f'{x:.1f}' for x in load_before)}, "
         f"after: {' / '.join(f'{x:.1f}' for x in load_after)} (the machine is shared; times are noisy)",
-        f"- float32, H = {H}, B = 1, all positions valid; forward + backward; time = min over "
-        f"{args.repeats} run(s) in the same process after a warm-up; memory = peak RSS (VmHWM) of a separate "
+        f"- float32, H = {H}, B = 1, all positions valid; forward + backward; wall and CPU (user + system, "
+        f"all threads) time = min over {args.repeats} run(s) in the same process after a warm-up; the "
+        "1-minute load average when the measured run started is shown (2 cores; above 2 the run shared "
+        "them with other work, which inflates wall time more than CPU time); memory = peak RSS (VmHWM) of a separate "
         "subprocess per configuration, raw and net of the baseline measured after imports and input allocation",
         "- naive KL: `lt = log_softmax(ht @ Wt.T)` (no grad), `ls = log_softmax(hs @ Ws.T)`, "
         "`((ls.exp() * (ls - lt)).sum(-1)).mean()`; fused KL: `reverse_kl_distill_loss(student_hidden=..., "
@@ -283,9 +295,11 @@ def _write(args, rows, started, load_before, load_after) -> None:
         if not sel:
             continue
         lines += [f"## {title}", "",
-                  "| V | L | chunk | naive time s | fused time s | time ratio | naive peak GB raw / net | "
-                  "fused peak GB raw / net | net memory ratio | value rel diff | grad rel diff (h / W) |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| V | L | chunk | naive wall s | fused wall s | wall ratio | naive CPU s | fused CPU s | CPU ratio | "
+                  "load 1m (naive / fused) | naive peak GB raw / net | fused peak GB raw / net | net memory ratio | "
+                  "value rel diff | grad rel diff (h / W) |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: |"]
         for r in sel:
             n, f, c = r["naive"], r["fused"], r["cmp"]
 
@@ -298,6 +312,10 @@ def _write(args, rows, started, load_before, load_after) -> None:
                 return f"{_gb(x['peak_kb']):.2f} / {_gb(x['peak_kb'] - x['base_rss_kb']):.2f}"
 
             ratio_t = f"{f['time_s'] / n['time_s']:.2f}x" if "time_s" in n and "time_s" in f else "-"
+            cpu_n = f"{n['cpu_s']:.1f}" if "cpu_s" in n else "-"
+            cpu_f = f"{f['cpu_s']:.1f}" if "cpu_s" in f else "-"
+            ratio_c = f"{f['cpu_s'] / n['cpu_s']:.2f}x" if "cpu_s" in n and "cpu_s" in f else "-"
+            load = f"{n.get('load', float('nan')):.1f} / {f.get('load', float('nan')):.1f}"
             ratio_m = "-"
             if "peak_kb" in n and "peak_kb" in f:
                 ratio_m = f"{(n['peak_kb'] - n['base_rss_kb']) / max(1, f['peak_kb'] - f['base_rss_kb']):.1f}x lower"
@@ -307,6 +325,7 @@ def _write(args, rows, started, load_before, load_after) -> None:
                 val = f"{v:.1e} {'ok' if v <= 1e-5 else 'FAIL'}"
             grad = f"{c['grad_h_rel']:.1e} / {c['grad_w_rel']:.1e}" if c else "-"
             lines.append(f"| {r['V']} | {r['L']} | {r['chunk']} | {cell_time(n)} | {cell_time(f)} | {ratio_t} | "
+                         f"{cpu_n} | {cpu_f} | {ratio_c} | {load} | "
                          f"{cell_mem(n)} | {cell_mem(f)} | {ratio_m} | {val} | {grad} |")
         lines.append("")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -8,16 +8,16 @@ from trajgrad import losses
 from trajgrad.aggregate import Normalizer, aggregate
 from trajgrad.objective import RECIPES, Objective, explain, get_recipe
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64
 
 
 def _batch(seed=0, B=4, L=6):
     g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, L, generator=g) * 2
-    old = logp + 0.3 * torch.randn(B, L, generator=g)
-    ref = logp + 0.2 * torch.randn(B, L, generator=g)
-    adv = torch.randn(B, generator=g)[:, None].expand(B, L).clone()
-    mask = (torch.rand(B, L, generator=g) > 0.3).double()
+    logp = -torch.rand(B, L, generator=g, dtype=F64) * 2
+    old = logp + 0.3 * torch.randn(B, L, generator=g, dtype=F64)
+    ref = logp + 0.2 * torch.randn(B, L, generator=g, dtype=F64)
+    adv = torch.randn(B, generator=g, dtype=F64)[:, None].expand(B, L).clone()
+    mask = (torch.rand(B, L, generator=g, dtype=F64) > 0.3).double()
     mask[:, 0] = 1
     return logp, old, ref, adv, mask
 
@@ -89,13 +89,13 @@ def test_micro_batches_with_global_denominator_equal_full_batch(name):
 
 
 def test_sequence_advantages_group_estimators():
-    r = torch.tensor([[0.0, 1.0, 2.0]])
+    r = torch.tensor([[0.0, 1.0, 2.0]], dtype=F64)
     assert torch.allclose(RECIPES["rloo"].replace(group_size=3).sequence_advantages(r).advantages,
-                          torch.tensor([[-1.5, 0.0, 1.5]]))
+                          torch.tensor([[-1.5, 0.0, 1.5]], dtype=F64))
     centred = RECIPES["dr_grpo"].sequence_advantages(r).advantages
-    assert torch.allclose(centred, torch.tensor([[-1.0, 0.0, 1.0]]))
+    assert torch.allclose(centred, torch.tensor([[-1.0, 0.0, 1.0]], dtype=F64))
     std = RECIPES["grpo"].sequence_advantages(r).advantages
-    assert torch.allclose(std, torch.tensor([[-1.0, 0.0, 1.0]]) / (math.sqrt(2 / 3) + 1e-6))
+    assert torch.allclose(std, torch.tensor([[-1.0, 0.0, 1.0]], dtype=F64) / (math.sqrt(2 / 3) + 1e-6))
 
 
 def test_kl_in_reward_is_detached_and_zero_when_not_in_reward():

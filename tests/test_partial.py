@@ -2,7 +2,6 @@
 and the sampler's before_turn hook that lets an episode continue under new weights."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -243,9 +243,13 @@ def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: st
 
 
 def check_sizes(temperature: float, chunk_size: int, vocab_chunk_size: Optional[int] = None) -> None:
-    _checks.check_positive("temperature", float(temperature))
-    if isinstance(temperature, float) and math.isinf(temperature):
-        raise ValueError(f"temperature: must be finite, got {temperature}")
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature: expected a positive number, got {temperature!r}") from None
+    _checks.check_positive("temperature", t)
+    if math.isinf(t):
+        raise ValueError(f"temperature: must be finite, got {t}")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
     if vocab_chunk_size is not None and (

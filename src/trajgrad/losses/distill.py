@@ -45,7 +45,6 @@ the on-policy distillation papers (GKD, Agarwal et al. 2024; MiniLLM, Gu et al. 
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -165,7 +164,7 @@ def _single_teacher(kind: str, beta: float, normalized: bool, metric: str, *,
         metric: _mean(div),
         "student_entropy": _mean(ent_s),
         "teacher_entropy": _mean(ent_t),
-        "token_count": torch.tensor(float(rows.numel()), dtype=div.dtype),
+        "token_count": torch.tensor(float(rows.numel()), dtype=div.dtype, device=div.device),
     }
     return LossResult(loss, metrics)
 
@@ -629,5 +628,5 @@ def multi_teacher_distill_loss(
                     pairs += 1
         dis = dis / pairs
     metrics["teacher_disagreement"] = dis
-    metrics["token_count"] = torch.tensor(float(n), dtype=dtype)
+    metrics["token_count"] = torch.tensor(float(n), dtype=dtype, device=rows.device)
     return LossResult(loss, {k: v.detach() for k, v in metrics.items()})

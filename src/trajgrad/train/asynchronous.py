@@ -66,9 +66,9 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -708,7 +708,7 @@ class AsyncTrainer(_RayLearner):
     @staticmethod
     def _new_window() -> Dict[str, float]:
         return {"t0": time.perf_counter(), "idle": 0.0, "episodes": 0, "trajectories": 0, "tokens": 0,
-                "dropped_lag": 0, "discarded_mixed": 0, "lost": 0}
+                "dropped_lag": 0, "discarded_mixed": 0}
 
     # ------------------------------------------------------------------ admission
     def _on_result(self, job: Job, res: Dict[str, Any]) -> None:
@@ -731,7 +731,7 @@ class AsyncTrainer(_RayLearner):
             return
         self.counters["dropped_subtraces"] += part.dropped_subtraces
         self.counters["folded_turns"] += part.folded_turns
-        for k, t in enumerate(part.kept):
+        for t in part.kept:
             t.metadata["async_key"] = f"{job.key}/{t.segment}"
         self.gate.admit(job.key, oldest_version(part.kept), size=len(part.kept), payload=(raw, part))
 
@@ -774,6 +774,7 @@ class AsyncTrainer(_RayLearner):
             "lag/dropped_total": float(g.dropped_lag_trajectories),
             "lag/dropped_frac_total": g.dropped_lag_trajectories / max(g.dropped_lag_trajectories + g.trained_trajectories, 1),
             "partial/mixed_frac": mixed / len(trajs),
+            "partial/discarded_mixed": float(w["discarded_mixed"]),
             "partial/discarded_mixed_total": float(self.counters["discarded_mixed"]),
             "partial/folded_turns_total": float(self.counters["folded_turns"]),
             "partial/dropped_subtraces_total": float(self.counters["dropped_subtraces"]),

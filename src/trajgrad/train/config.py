@@ -202,7 +202,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "default": {
         "name": "smollm2-calculator-grpo",
         "model": {"name": "smollm2", "dtype": "auto", "lora": {"r": 8, "alpha": 16}},
-        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64, "options": {"max_turns": 3}},
+        # no system message: SmolLM2-135M follows the one-shot chat example, while an
+        # instruction system prompt makes it answer without calling the tool
+        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
+                 "options": {"max_turns": 3, "system_prompt": ""}},
         "sampling": {"temperature": 1.0, "max_new_tokens": 40},
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
         "optim": {"lr": 5e-4},

@@ -59,7 +59,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.net[-1].bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(hidden.detach().float()).squeeze(-1)
+        return self.net(hidden.detach().to(self.net[0].weight.dtype)).squeeze(-1)
 
 
 def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
