@@ -231,6 +231,47 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     },
 }
 
+_TINY_CALC = {"name": "calculator", "n_train": 4000, "n_heldout": 64,
+              "options": {"few_shot": False, "system_prompt": "", "max_turns": 3, "min_ops": 1, "max_ops": 2,
+                          "max_operand": 99}}
+_ASYNC = {"enabled": True, "workers": 2, "max_lag": 2, "batch_trajectories": 16, "queue_size": 4, "partial": "per_segment"}
+PRESETS.update({
+    # Single-rollout asynchronous optimization (§20) on 2 local Ray workers, tiny model.
+    "sao-tiny": {
+        "name": "tiny-calculator-sao",
+        "model": {"name": "tiny", "dtype": "float32", "lora": None},
+        "task": _TINY_CALC,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 24},
+        "recipe": {"name": "sao"},
+        "optim": {"lr": 3e-4},
+        "critic": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"steps": 20, "prompts_per_step": 16, "micro_batch_size": 64},
+        "sft": {"steps": 150, "batch_size": 32, "lr": 3e-3},
+        "eval": {"every": 0, "temperature": 0.0},
+        "checkpoint": {"every": 10},
+        "log": {"tensorboard": False},
+        "asynchronous": _ASYNC,
+    },
+    # SmolLM2-135M-Instruct + LoRA, SAO with the paper's reasoning interval (0.3, 5.0), K = 2.
+    "sao": {
+        "name": "smollm2-calculator-sao",
+        "model": {"name": "smollm2", "dtype": "auto", "lora": {"r": 8, "alpha": 16}},
+        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
+                 "options": {"max_turns": 3, "system_prompt": ""}},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 40},
+        "recipe": {"name": "sao", "overrides": {"eps_low": 0.3, "eps_high": 5.0}},
+        "optim": {"lr": 5e-4},
+        "critic": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"steps": 24, "prompts_per_step": 8, "micro_batch_size": 8},
+        "eval": {"every": 0, "temperature": 0.0},
+        "checkpoint": {"every": 4},
+        "asynchronous": _ASYNC,
+    },
+})
+# The paper's coding setting: (eps_low, eps_high) = (0.8, 3.0).
+PRESETS["sao-coding"] = {**PRESETS["sao"], "name": "smollm2-calculator-sao-coding",
+                         "recipe": {"name": "sao", "overrides": {"eps_low": 0.8, "eps_high": 3.0}}}
+
 
 def _deep_update(base: Dict[str, Any], upd: Dict[str, Any]) -> Dict[str, Any]:
     for k, v in upd.items():

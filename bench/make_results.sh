@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Assemble bench/RESULTS.md from the per-benchmark result files (each written by its benchmark
+# together with the command that produced it).
+set -euo pipefail
+cd "$(dirname "$0")"
+{
+  echo "# Benchmark results"
+  echo
+  echo "Every table below was measured on this project's 2-core CPU machine and written by the"
+  echo "benchmark named in it, with its exact command. The machine was shared with other jobs while"
+  echo "most of them ran (load averages are given per table): treat times as indicative, ratios"
+  echo "measured in one run on the same inputs as the comparison."
+  echo
+  for f in gae losses distill trl async; do
+    if [ -f "results/$f.md" ]; then
+      sed -e "s/^# /## /" -e "s#(sao_vs_grpo.png)#(results/sao_vs_grpo.png)#" "results/$f.md"
+      echo
+    fi
+  done
+} > RESULTS.md
+echo "wrote bench/RESULTS.md"
