@@ -308,9 +308,9 @@ def _critic_values(tr, batch):
 
 def _expected_advantages(tr, batch, values_before):
     """Skip-observation GAE called directly on the collated batch with the critic's values
-    after its K updates (before the policy step). A row that did not terminate bootstraps
-    from the value of its last action token as the learner computed it, i.e. before this
-    update's critic steps (``values_before``)."""
+    after its K updates (before the policy step); a row that did not terminate bootstraps
+    from the updated value of its last action token (``values_before`` is kept for the
+    callers that record it)."""
     obj = tr.objective
     mask = batch.action_mask
     B, L = mask.shape
@@ -327,7 +327,7 @@ def _expected_advantages(tr, batch, values_before):
                     tok_r[b, j] += float(batch.turn_rewards[b, k])
     terminated = torch.zeros(B, L, dtype=torch.bool)
     terminated[torch.arange(B), last] = batch.terminated
-    boot = torch.where(batch.terminated, torch.zeros(B, dtype=torch.float64), values_before[torch.arange(B), last])
+    boot = torch.where(batch.terminated, torch.zeros(B, dtype=torch.float64), values[torch.arange(B), last])
     out = returns.token_skip_observation_gae(values, tok_r, mask, gamma=obj.gamma, lam=obj.lam,
                                              terminated=terminated, bootstrap_value=boot)
     return out.advantages, values, tok_r, boot

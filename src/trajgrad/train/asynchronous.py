@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from ..rollout import HFSampler, Trajectory
-from .config import PRESETS, Config, build_config, register_preset
+from .config import PRESETS, Config, build_config
 from .partial import PARTIAL_POLICIES, apply_partial_policy, oldest_version
 from .trainer import Trainer, _fmt_eval, _step_seed
 
@@ -602,23 +602,8 @@ class _RayLearner:
             self.save()
 
     def _finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
-        from .stats import two_proportion_test
-
-        tr, cfg = self.trainer, self.cfg
-        if cfg.eval.after:
-            after = tr.evaluate("after")
-            summary["eval_after"] = after.__dict__
-            self.console(_fmt_eval("after", after))
-            if tr.eval_before is not None:
-                b = tr.eval_before
-                p = two_proportion_test(b.successes, b.n, after.successes, after.n)
-                summary["eval_before"] = b.__dict__
-                summary["p_value"] = p
-                self.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
-                             f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        tr.traj_log.close()
-        return summary
+        """The trainer's own finishing step (held-out evaluation, summary.json)."""
+        return self.trainer.finish(summary)
 
     def _async_state(self) -> Dict[str, Any]:
         return {"step": self.trainer.step, "counters": dict(self.counters)}
@@ -1010,52 +995,5 @@ class GroupedRayTrainer(_RayLearner):
 
 
 # ====================================================================== presets
-_TINY_TASK = {"name": "calculator", "n_train": 4000, "n_heldout": 64,
-              "options": {"few_shot": False, "system_prompt": "", "max_turns": 3,
-                          "min_ops": 1, "max_ops": 2, "max_operand": 99}}
-
-SAO_PRESETS: Dict[str, Dict[str, Any]] = {
-    # The tiny random model, SFT warm start, then SAO on 2 local Ray workers (about a minute).
-    "sao-tiny": {
-        "name": "tiny-calculator-sao",
-        "model": {"name": "tiny", "dtype": "float32", "lora": None},
-        "task": _TINY_TASK,
-        "sampling": {"temperature": 1.0, "max_new_tokens": 24},
-        "recipe": {"name": "sao"},
-        "optim": {"lr": 3e-4},
-        "critic": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {"steps": 20, "prompts_per_step": 16, "micro_batch_size": 64},
-        "sft": {"steps": 150, "batch_size": 32, "lr": 3e-3},
-        "eval": {"every": 0, "temperature": 0.0},
-        "checkpoint": {"every": 10},
-        "log": {"tensorboard": False},
-        "asynchronous": {"enabled": True, "workers": 2, "max_lag": 2, "batch_trajectories": 16, "queue_size": 4,
-                         "partial": "per_segment"},
-    },
-    # SmolLM2-135M-Instruct + LoRA on the calculator, SAO with the paper's reasoning
-    # interval (eps_low, eps_high) = (0.3, 5.0) (the recipe's default), K = 2 critic updates.
-    "sao": {
-        "name": "smollm2-calculator-sao",
-        "model": {"name": "smollm2", "dtype": "bfloat16", "lora": {"r": 8, "alpha": 16}},
-        "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64, "options": {"max_turns": 3}},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 40},
-        "recipe": {"name": "sao", "overrides": {"eps_low": 0.3, "eps_high": 5.0}},
-        "optim": {"lr": 5e-4},
-        "critic": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {"steps": 24, "prompts_per_step": 8, "micro_batch_size": 8},
-        "eval": {"every": 0, "temperature": 0.0},
-        "checkpoint": {"every": 4},
-        "asynchronous": {"enabled": True, "workers": 2, "max_lag": 2, "batch_trajectories": 16, "queue_size": 4,
-                         "partial": "per_segment"},
-    },
-}
-# The paper's coding setting: the wider low side, (eps_low, eps_high) = (0.8, 3.0).
-SAO_PRESETS["sao-coding"] = {
-    **SAO_PRESETS["sao"],
-    "name": "smollm2-calculator-sao-coding",
-    "recipe": {"name": "sao", "overrides": {"eps_low": 0.8, "eps_high": 3.0}},
-}
-
-for _name, _data in SAO_PRESETS.items():
-    if _name not in PRESETS:
-        register_preset(_name, _data)
+# The asynchronous presets ("sao-tiny", "sao", "sao-coding") live in trajgrad.train.config.PRESETS.
+SAO_PRESETS: Dict[str, Dict[str, Any]] = {k: PRESETS[k] for k in ("sao-tiny", "sao", "sao-coding")}

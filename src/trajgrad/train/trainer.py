@@ -28,7 +28,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -517,9 +517,11 @@ class Trainer:
             self.critic_optimizer.step()
         with torch.no_grad():
             new_values = self.value_head(hidden).double()
-        out2 = obj.token_advantages(new_values, tok_r, mask, terminated=terminated, bootstrap_value=boot)
+        # the advantages use the updated critic throughout, its bootstrap included
+        boot2 = torch.where(term, torch.zeros(B, dtype=torch.float64), new_values[torch.arange(B), last.clamp_min(0)])
+        out2 = obj.token_advantages(new_values, tok_r, mask, terminated=terminated, bootstrap_value=boot2)
         ev = explained_variance(targets, values, mask)
-        m = {"critic/value_loss": float(vl.loss), "critic/explained_variance": float(ev),
+        m = {"critic/value_loss": float(vl.loss.detach()), "critic/explained_variance": float(ev),
              "critic/value_mean": float(masked_mean(values, mask))}
         return out2.advantages, m
 
@@ -758,8 +760,11 @@ class Trainer:
             if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps):
                 self.save()
         bar.close()
-        summary: Dict[str, Any] = {"steps": self.step, "recipe": self.objective.name}
-        if cfg.eval.after:
+        return self.finish({"steps": self.step, "recipe": self.objective.name})
+
+    def finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
+        """Held-out evaluation after training, before/after comparison, ``summary.json``."""
+        if self.cfg.eval.after:
             after = self.evaluate("after")
             summary["eval_after"] = after.__dict__
             self.console(_fmt_eval("after", after))
@@ -771,7 +776,7 @@ class Trainer:
                 self.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
                              f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")
         if self.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         self.traj_log.close()
         dist_lib.barrier()
         return summary
