@@ -9,7 +9,7 @@ heads ``[V, H]``, H = 896), runs a small warm-up, resets the kernel's peak-RSS c
 Net peak = peak RSS - baseline. Results (loss values, token log-probs, gradient samples) are
 compared across methods: values must agree to 1e-5 relative.
 
-Usage (not part of the test suite; the naive V=151936, L=4096 case needs ~13 GB)::
+Usage (not part of the test suite; the naive V=151936, L=4096 KL case peaks at ~15 GB RSS)::
 
     python bench/bench_distill.py                      # all configurations, writes bench/results/distill.md
     python bench/bench_distill.py --vocab 32768 --length 1024 --what kl --out /tmp/x.md
