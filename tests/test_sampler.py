@@ -497,3 +497,73 @@ def test_before_turn_hook_updates_version_between_turns(tok, model):
     assert [[turn.policy_version for turn in t.turns] for t in trajs] == [[10, 11, 12], [10, 11, 12]]
     with pytest.raises(ValueError, match="before_turn"):
         sampler.rollout(Recorder(), tasks(1), before_turn=3)
+
+
+# ----------------------------------------------------------------------------- KV reuse
+def _count_embedded_tokens(model):
+    """Count the tokens the model embeds (every position it computes)."""
+    seen = [0]
+    emb = model.get_input_embeddings()
+    handle = emb.register_forward_hook(lambda mod, inp, out: seen.__setitem__(0, seen[0] + inp[0].numel()))
+    return seen, handle
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.9)], ids=["greedy", "T1-p0.9"])
+def test_kv_reuse_equals_full_recompute(tok, model, sampling):
+    """Reusing each episode's keys/values across turns and computing the shared prompt
+    prefix once gives the same actions and the same behaviour log-probs as recomputing
+    the whole context every turn, while embedding far fewer tokens."""
+    ts = [Task(id=f"k{i}", split="train", prompt="question " * (i + 1), answer=0) for i in range(3)]
+    out, counts = {}, {}
+    for reuse in (True, False):
+        seen, handle = _count_embedded_tokens(model)
+        try:
+            s = HFSampler(model, tok, max_new_tokens=12, reuse_kv=reuse, **sampling)
+            out[reuse] = s.rollout(Recorder(max_turns=3), ts, group_size=2, seed=5)
+        finally:
+            handle.remove()
+        counts[reuse] = seen[0]
+    a, b = out[True], out[False]
+    assert [[u.action_ids for u in t.turns] for t in a] == [[u.action_ids for u in t.turns] for t in b]
+    assert sum(len(t.turns) for t in a) >= 12
+    for ta, tb in zip(a, b):
+        for ua, ub in zip(ta.turns, tb.turns):
+            assert max((abs(x - y) for x, y in zip(ua.behaviour_logp, ub.behaviour_logp)), default=0.0) < 1e-5
+    assert counts[True] < 0.6 * counts[False], counts
+
+
+def test_kv_reuse_is_dropped_when_the_policy_version_changes(tok, model):
+    """A version change between turns (new weights) invalidates the cached keys/values:
+    the next turn recomputes the whole context."""
+    ts = [Task(id="v", split="train", prompt="hello", answer=0)]
+
+    def tokens_embedded(hook):
+        seen, handle = _count_embedded_tokens(model)
+        try:
+            s = HFSampler(model, tok, temperature=0.0, max_new_tokens=6)
+            s.rollout(Recorder(max_turns=3), ts, seed=0, before_turn=lambda turn: hook(s, turn))
+        finally:
+            handle.remove()
+        return seen[0]
+
+    kept = tokens_embedded(lambda s, turn: None)
+    bumped = tokens_embedded(lambda s, turn: s.set_policy_version(turn))
+    cleared = tokens_embedded(lambda s, turn: s.clear_cache())
+    assert bumped > kept and cleared == bumped
+
+
+def test_sample_actions_past_kv_validation(tok, model):
+    eos = end_of_turn_id(tok)
+    seqs = [prompt_ids(tok, [{"role": "user", "content": "abc"}])]
+    (res, kv) = sample_actions(model, seqs, eos_ids=[eos], pad_id=0, temperature=0.0, max_new_tokens=4, return_kv=True)
+    assert kv[0] is not None and kv[0].length == len(seqs[0]) + len(res[0][0]) - 1
+    longer = [seqs[0] + res[0][0] + [5, 6]]
+    again = sample_actions(model, longer, eos_ids=[eos], pad_id=0, temperature=0.0, max_new_tokens=4, past_kv=kv)
+    fresh = sample_actions(model, longer, eos_ids=[eos], pad_id=0, temperature=0.0, max_new_tokens=4)
+    assert again[0][0] == fresh[0][0]
+    with pytest.raises(ValueError, match="past_kv"):
+        sample_actions(model, seqs + seqs, eos_ids=[eos], pad_id=0, max_new_tokens=4, past_kv=kv)
+    with pytest.raises(ValueError, match="past_kv"):
+        sample_actions(model, [seqs[0][:kv[0].length]], eos_ids=[eos], pad_id=0, max_new_tokens=4, past_kv=kv)
+    with pytest.raises(ValueError, match="past_kv"):
+        sample_actions(model, seqs, eos_ids=[eos], pad_id=0, max_new_tokens=4, past_kv=["nope"])

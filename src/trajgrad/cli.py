@@ -1,6 +1,7 @@
 """The ``trajgrad`` command line: train | explain | verify | example | plot | serve."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -156,6 +157,10 @@ def serve(
 
 
 def main() -> None:  # console script entry point
+    # nothing is ever fetched at run time: keep Hugging Face libraries from trying (peft
+    # looks up the base model's config online when it saves adapters)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     app()
 
 

@@ -325,8 +325,7 @@ class CalculatorEnv:
         else:
             info["tool_error"] = "no action"
             observation = (
-                "<result>error: no action found; write <calc>EXPRESSION</calc> to use the calculator "
-                "or <answer>NUMBER</answer> to answer</result>"
+                "<result>error: no action found; write <calc>EXPRESSION</calc> or <answer>NUMBER</answer></result>"
             )
 
         if self._turns >= self.max_turns:

@@ -19,6 +19,7 @@ from .trajectory import Trajectory, TrajectoryLog, Turn, read_trajectories
 _LAZY = {
     "HFSampler": "sampler",
     "sample_actions": "sampler",
+    "RowKV": "sampler",
     "CharTokenizer": "models",
     "build_char_tokenizer": "models",
     "build_tiny_model": "models",

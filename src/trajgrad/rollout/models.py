@@ -121,6 +121,30 @@ def build_char_tokenizer() -> CharTokenizer:
 
 
 # ---------------------------------------------------------------------------------------
+# KV cache argument names (they changed across transformers releases)
+# ---------------------------------------------------------------------------------------
+def cache_kwarg(model) -> str:
+    """Name of the forward argument that takes the KV cache (``cache`` in recent
+    transformers, ``past_key_values`` before)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    """The KV cache a forward pass returned (``cache`` or ``past_key_values``)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    if cache is None:
+        cache = out.get("past_key_values") if hasattr(out, "get") else getattr(out, "past_key_values", None)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------
 # Tiny model
 # ---------------------------------------------------------------------------------------
 def build_tiny_model(

@@ -147,6 +147,7 @@ class OpenAISampler(HFSampler):
             _ServedModel(model_name, max_context_tokens), tokenizer, temperature=temperature, top_k=top_k,
             top_p=top_p, max_new_tokens=max_new_tokens, policy_version=policy_version, progress=progress,
             max_batch_size=max_batch_size, max_context_tokens=max_context_tokens,
+            reuse_kv=False,  # the server keeps (or recomputes) its own cache
         )
         if server == "sglang" and (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)):
             which = "top_k" if self.top_k is not None else "top_p"

@@ -26,6 +26,15 @@ the end-of-turn token) goes to ``env.step``; the returned messages are appended 
 observation tokens (:func:`~trajgrad.rollout.chat.observation_ids`), never re-tokenized
 together with the action.
 
+KV reuse: the keys and values an episode's context produced are kept between its turns,
+so a turn only runs the model on the tokens added since (the last action token and the
+observation); the first turn computes the prompt prefix that all episodes of a call
+share once. Cached states belong to the weights that produced them: they are dropped
+when the policy version changes (:meth:`HFSampler.set_policy_version`) and can be dropped
+by hand with :meth:`HFSampler.clear_cache` after loading weights in place under the same
+version. The values are the same function of the same tokens as a full recompute (float
+rounding aside; the §24 ratio check holds within 1e-5 in float32).
+
 Partial rollouts (§16): every turn records ``policy_version``, the value of
 :attr:`HFSampler.policy_version` when it was sampled; :meth:`set_policy_version` changes
 it between turns (e.g. after a weight sync).
@@ -52,9 +61,10 @@ import torch
 
 from .chat import decode_action, end_of_turn_id, observation_ids, prompt_ids
 from .collate import position_ids_from_attention_mask
+from .models import cache_kwarg, output_cache
 from .trajectory import Trajectory, Turn
 
-__all__ = ["HFSampler", "sample_actions"]
+__all__ = ["HFSampler", "RowKV", "sample_actions"]
 
 
 def _validate_sampling(temperature, top_k, top_p, max_new_tokens) -> Tuple[float, Optional[int], Optional[float], int]:
@@ -90,24 +100,75 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _cache_kwarg(model) -> str:
-    """Name of the forward argument that takes the KV cache (``cache`` in recent
-    transformers, ``past_key_values`` before)."""
-    import inspect
+@dataclass
+class RowKV:
+    """The cached keys and values of the first ``length`` tokens of one row.
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    try:
-        params = inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    ``keys[l]`` / ``values[l]`` have shape ``[heads, length, head_dim]`` for layer ``l``.
+    Produced and consumed by :func:`sample_actions` (``past_kv`` / ``return_kv``).
+    """
+
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[-2]) if self.keys else 0
 
 
-def _output_cache(out):
-    cache = out.get("cache") if hasattr(out, "get") else None
-    if cache is None:
-        cache = out.get("past_key_values") if hasattr(out, "get") else getattr(out, "past_key_values", None)
-    return cache
+def _cache_layers(cache) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """``[(keys, values), ...]`` of a ``DynamicCache`` (``[B, H, T, D]`` each), or None."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return None
+    out = []
+    for layer in layers:
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
+            return None
+        out.append((k, v))
+    return out
+
+
+def _extract_rows(cache, rows: torch.Tensor, mask: torch.Tensor) -> Optional[List[RowKV]]:
+    """Per-row :class:`RowKV` for ``rows`` of a batched cache; ``mask`` [B, T] marks real tokens."""
+    layers = _cache_layers(cache)
+    if layers is None:
+        return None
+    out = []
+    for i in rows.tolist():
+        keep = mask[i].bool()
+        out.append(RowKV([k[i][:, keep, :].clone() for k, _ in layers], [v[i][:, keep, :].clone() for _, v in layers]))
+    return out
+
+
+def _batched_cache(past: Sequence[RowKV], device) -> Tuple[Any, torch.Tensor]:
+    """A left-padded ``DynamicCache`` holding ``past`` and its attention mask ``[B, Lc]``."""
+    from transformers import DynamicCache
+
+    B = len(past)
+    Lc = max(p.length for p in past)
+    n_layers = len(past[0].keys)
+    mask = torch.zeros((B, Lc), dtype=torch.long, device=device)
+    data = []
+    for layer in range(n_layers):
+        k0, v0 = past[0].keys[layer], past[0].values[layer]
+        K = k0.new_zeros((B, k0.shape[0], Lc, k0.shape[-1]))
+        V = v0.new_zeros((B, v0.shape[0], Lc, v0.shape[-1]))
+        for b, p in enumerate(past):
+            n = p.length
+            if n:
+                K[b, :, Lc - n:, :] = p.keys[layer]
+                V[b, :, Lc - n:, :] = p.values[layer]
+        data.append((K, V))
+    for b, p in enumerate(past):
+        if p.length:
+            mask[b, Lc - p.length:] = 1
+    return DynamicCache(ddp_cache_data=data), mask
+
+
+def _empty_row(like: RowKV) -> RowKV:
+    return RowKV([k[:, :0, :] for k in like.keys], [v[:, :0, :] for v in like.values])
 
 
 class _Stepper:
@@ -120,7 +181,7 @@ class _Stepper:
 
     def __init__(self, model, head_in_float32: bool):
         self.model = model
-        self.cache_kw = _cache_kwarg(model)
+        self.cache_kw = cache_kwarg(model)
         self.cache = None
         self.backbone = None
         if head_in_float32:
@@ -129,7 +190,7 @@ class _Stepper:
             head = getattr(causal, "lm_head", None)
             if backbone is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
                 self.backbone = backbone
-                self.backbone_cache_kw = _cache_kwarg(backbone)
+                self.backbone_cache_kw = cache_kwarg(backbone)
                 self.weight = head.weight.detach().float()
                 bias = getattr(head, "bias", None)
                 self.bias = None if bias is None else bias.detach().float()
@@ -140,13 +201,13 @@ class _Stepper:
             if cache is not None:
                 kw[self.backbone_cache_kw] = cache
             out = self.backbone(**kw)
-            self.cache = _output_cache(out)
+            self.cache = output_cache(out)
             h = out.last_hidden_state[:, -1, :].float()
             return torch.nn.functional.linear(h, self.weight, self.bias)
         if cache is not None:
             kw[self.cache_kw] = cache
         out = self.model(logits_to_keep=1, **kw)
-        self.cache = _output_cache(out)
+        self.cache = output_cache(out)
         return out.logits[:, -1, :].float()
 
 
@@ -168,7 +229,9 @@ def sample_actions(
     max_new_tokens: int = 64,
     generator: Optional[torch.Generator] = None,
     head_in_float32: bool = True,
-) -> List[Tuple[List[int], List[float], bool]]:
+    past_kv: Optional[Sequence[Optional[RowKV]]] = None,
+    return_kv: bool = False,
+):
     r"""Continue each token sequence with one sampled action (KV-cached, left padded).
 
     Args:
@@ -187,10 +250,18 @@ def sample_actions(
         models it removes the bf16 rounding of the logits (~1% on a ratio). Models
         without ``.model`` / ``lm_head`` always use their own logits.
 
+      past_kv: optional per-row :class:`RowKV` holding the keys and values of a prefix
+        of that row (``None`` entries: nothing cached), computed by the same weights;
+        only the remaining tokens are run. The prefix must be shorter than the row.
+      return_kv: also return, per row, the :class:`RowKV` of its context plus its action
+        without the action's last token (the next call's ``past_kv``); ``None`` where the
+        model's cache cannot be read back.
+
     Returns:
       per row ``(action_ids, behaviour_logp, cut)``: ``behaviour_logp[j]`` is
       :math:`\log\mu(x_j\mid x_{<j})` under the warped distribution (0.0 when greedy);
-      ``cut`` is True when the action hit ``max_new_tokens`` before an end token.
+      ``cut`` is True when the action hit ``max_new_tokens`` before an end token. With
+      ``return_kv``: ``(results, kv)``.
     """
     from ..logprobs import sampling_logits
 
@@ -202,20 +273,43 @@ def sample_actions(
     lengths = [len(s) for s in sequences]
     if min(lengths) < 1:
         raise ValueError("sequences: every sequence needs at least one token")
-    L = max(lengths)
+    cached = [0] * B
+    if past_kv is not None:
+        if len(past_kv) != B:
+            raise ValueError(f"past_kv: expected {B} entries (one per sequence), got {len(past_kv)}")
+        for b, p in enumerate(past_kv):
+            if p is not None:
+                if not isinstance(p, RowKV):
+                    raise ValueError(f"past_kv: entry {b} is a {type(p).__name__}, expected RowKV or None")
+                if p.length >= lengths[b]:
+                    raise ValueError(f"past_kv: entry {b} caches {p.length} tokens of a {lengths[b]}-token sequence; "
+                                     "at least one token must remain")
+                cached[b] = p.length
+    new_lengths = [n - c for n, c in zip(lengths, cached)]
+    L = max(new_lengths)
     input_ids = torch.full((B, L), int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    new_mask = torch.zeros((B, L), dtype=torch.long)
     for b, s in enumerate(sequences):
-        input_ids[b, L - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-        attention_mask[b, L - len(s):] = 1
+        n = new_lengths[b]
+        input_ids[b, L - n:] = torch.as_tensor(list(s)[cached[b]:], dtype=torch.long)
+        new_mask[b, L - n:] = 1
     input_ids = input_ids.to(device)
-    attention_mask = attention_mask.to(device)
-    position_ids = position_ids_from_attention_mask(attention_mask)
+    new_mask = new_mask.to(device)
+    cache = None
+    if any(cached):
+        like = next(p for p in past_kv if p is not None)
+        cache, past_mask = _batched_cache([p if p is not None else _empty_row(like) for p in past_kv], device)
+        attention_mask = torch.cat([past_mask, new_mask], dim=1)
+    else:
+        attention_mask = new_mask
+    position_ids = position_ids_from_attention_mask(attention_mask)[:, -L:]
     eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
 
     step_fn = _Stepper(model, head_in_float32)
-    logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=None)
+    logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
     past = step_fn.cache
+    row_kv: List[Optional[RowKV]] = [None] * B
+    want_kv = bool(return_kv) and _cache_layers(past) is not None
     next_pos = torch.as_tensor(lengths, dtype=torch.long, device=device)
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     actions: List[List[int]] = [[] for _ in range(B)]
@@ -250,6 +344,10 @@ def sample_actions(
             break
         if can_prune:
             keep = ~ended
+            if want_kv and bool(ended.any()):
+                gone = ended.nonzero().squeeze(-1)
+                for r, kv in zip(alive[gone].tolist(), _extract_rows(past, gone, attention_mask)):
+                    row_kv[r] = kv
             if not bool(keep.any()):
                 break
             if not bool(keep.all()):
@@ -269,7 +367,19 @@ def sample_actions(
         logits = step_fn(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None], cache=past)
         past = step_fn.cache
         next_pos = next_pos + 1
-    return [(actions[b], logps[b], cut[b]) for b in range(B)]
+    results = [(actions[b], logps[b], cut[b]) for b in range(B)]
+    if not return_kv:
+        return results
+    if want_kv:
+        if can_prune:
+            missing = [i for i, r in enumerate(alive.tolist()) if row_kv[r] is None]
+            if missing:
+                idx = torch.as_tensor(missing, dtype=torch.long, device=device)
+                for r, kv in zip(alive[idx].tolist(), _extract_rows(past, idx, attention_mask)):
+                    row_kv[r] = kv
+        else:
+            row_kv = [None] * B  # rows without pruning carry tokens past their end: not reusable
+    return results, row_kv
 
 
 @dataclass
@@ -289,6 +399,8 @@ class _Episode:
     n_turns: int = 0
     done: bool = False
     success: Optional[bool] = None
+    kv: Optional[RowKV] = None  # keys/values of a prefix of ``tokens`` (KV reuse across turns)
+    kv_epoch: int = -1
 
 
 def _potential(env) -> float:
@@ -329,6 +441,9 @@ class HFSampler:
         this is truncated (default: the model's ``max_position_embeddings``).
       head_in_float32: logits from the float32 output embedding (see
         :func:`sample_actions`); keep it equal to the learner's convention.
+      reuse_kv: keep each episode's keys and values between turns and compute the prompt
+        prefix shared by a batch once (see the module docstring); ``False`` recomputes the
+        whole context every turn (same tokens under greedy decoding, more compute).
     """
 
     def __init__(
@@ -345,6 +460,7 @@ class HFSampler:
         max_batch_size: Optional[int] = None,
         max_context_tokens: Optional[int] = None,
         head_in_float32: bool = True,
+        reuse_kv: bool = True,
     ):
         self.temperature, self.top_k, self.top_p, self.max_new_tokens = _validate_sampling(
             temperature, top_k, top_p, max_new_tokens
@@ -362,6 +478,8 @@ class HFSampler:
             max_context_tokens = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.max_context_tokens = None if max_context_tokens is None else int(max_context_tokens)
         self.head_in_float32 = bool(head_in_float32)
+        self.reuse_kv = bool(reuse_kv)
+        self._kv_epoch = 0  # bumped whenever cached keys/values become stale
         self.policy_version = 0
         self.set_policy_version(policy_version)
 
@@ -370,7 +488,13 @@ class HFSampler:
         """The version recorded on turns sampled from now on (after a weight update)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+        if version != self.policy_version:
+            self.clear_cache()
         self.policy_version = version
+
+    def clear_cache(self) -> None:
+        """Drop the keys and values cached for episodes in progress (new weights loaded)."""
+        self._kv_epoch += 1
 
     @property
     def greedy(self) -> bool:
@@ -388,24 +512,54 @@ class HFSampler:
         }
 
     # -------------------------------------------------------------------- sampling
-    def _generate(self, seqs: List[List[int]], generator) -> List[Tuple[List[int], List[float], bool]]:
+    def _generate(self, seqs: List[List[int]], generator, past: Optional[List[Optional[RowKV]]] = None):
+        """Sample one action per row, in chunks of ``max_batch_size``; with ``past`` (KV
+        reuse) also return each row's new :class:`RowKV`."""
         step = self.max_batch_size or len(seqs)
         out: List[Tuple[List[int], List[float], bool]] = []
+        kvs: List[Optional[RowKV]] = []
         for start in range(0, len(seqs), step):
-            out.extend(
-                sample_actions(
-                    self.model,
-                    seqs[start:start + step],
-                    eos_ids=[self.eos_id],
-                    pad_id=self.pad_id,
-                    temperature=self.temperature,
-                    top_k=self.top_k,
-                    top_p=self.top_p,
-                    max_new_tokens=self.max_new_tokens,
-                    generator=generator,
-                    head_in_float32=self.head_in_float32,
-                )
-            )
+            chunk = seqs[start:start + step]
+            kw = dict(eos_ids=[self.eos_id], pad_id=self.pad_id, temperature=self.temperature, top_k=self.top_k,
+                      top_p=self.top_p, max_new_tokens=self.max_new_tokens, generator=generator,
+                      head_in_float32=self.head_in_float32)
+            if past is None:
+                out.extend(sample_actions(self.model, chunk, **kw))
+                continue
+            chunk_past = self._shared_prefix(chunk, list(past[start:start + step]))
+            res, kv = sample_actions(self.model, chunk, past_kv=chunk_past, return_kv=True, **kw)
+            out.extend(res)
+            kvs.extend(kv)
+        return out if past is None else (out, kvs)
+
+    @torch.no_grad()
+    def _shared_prefix(self, seqs: List[List[int]], past: List[Optional[RowKV]], min_tokens: int = 8):
+        """Rows with nothing cached that share a prefix of ``min_tokens`` or more: run that
+        prefix once (batch of one) and give them its keys and values."""
+        fresh = [i for i, p in enumerate(past) if p is None]
+        if len(fresh) < 2:
+            return past
+        first = seqs[fresh[0]]
+        n = min(len(seqs[i]) for i in fresh) - 1  # at least one token left to run per row
+        for i in fresh[1:]:
+            s = seqs[i]
+            k = 0
+            while k < n and s[k] == first[k]:
+                k += 1
+            n = k
+        if n < min_tokens:
+            return past
+        device = _model_device(self.model)
+        ids = torch.as_tensor([first[:n]], dtype=torch.long, device=device)
+        mask = torch.ones_like(ids)
+        step_fn = _Stepper(self.model, False)
+        step_fn(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_attention_mask(mask), cache=None)
+        shared = _extract_rows(step_fn.cache, torch.zeros(1, dtype=torch.long), mask)
+        if shared is None:
+            return past
+        out = list(past)
+        for i in fresh:
+            out[i] = shared[0]
         return out
 
     def rollout(
@@ -504,10 +658,16 @@ class HFSampler:
                     before_turn(turn)
                 turn += 1
                 version = self.policy_version
+                epoch = self._kv_epoch
                 t0 = time.perf_counter()
-                results = self._generate([ep.tokens for ep in active], generator)
+                if self.reuse_kv:
+                    past = [ep.kv if ep.kv is not None and ep.kv_epoch == epoch else None for ep in active]
+                    results, kvs = self._generate([ep.tokens for ep in active], generator, past)
+                else:
+                    results, kvs = self._generate([ep.tokens for ep in active], generator), [None] * len(active)
                 gen_s = time.perf_counter() - t0
-                for ep, (action, logp, cut) in zip(active, results):
+                for ep, (action, logp, cut), kv in zip(active, results, kvs):
+                    ep.kv, ep.kv_epoch = kv, epoch
                     self._advance(ep, action, logp, cut, version, gen_s, sampling)
                     if ep.done and bar is not None:
                         bar.update(1)
@@ -573,6 +733,7 @@ class HFSampler:
             ep.prompt = prompt_ids(self.tokenizer, context)
             self._check_fits(ep.prompt, ep.task)
             ep.tokens = list(ep.prompt)
+            ep.kv = None
             ep.initial_potential = _potential(ep.env)
 
     def _close_segment(self, ep: _Episode, sampling, *, terminated=False, truncated=False, compacted=False) -> None:
@@ -595,6 +756,7 @@ class HFSampler:
 
     def _close(self, ep: _Episode, *, terminated: bool, truncated: bool, sampling, reason: str = "") -> None:
         ep.done = True
+        ep.kv = None
         if reason == "context" and ep.turns:
             # nothing was generated after the last observation: drop it, so that the
             # trajectory itself fits in the context window

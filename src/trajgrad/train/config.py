@@ -204,12 +204,14 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "model": {"name": "smollm2", "dtype": "auto", "lora": {"r": 8, "alpha": 16}},
         # no system message: SmolLM2-135M follows the one-shot chat example, while an
         # instruction system prompt makes it answer without calling the tool
+        # two turns: call the calculator, then answer (the base model first writes a
+        # made-up <result> instead of calling; RL has to teach it to call first)
         "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
-                 "options": {"max_turns": 3, "system_prompt": ""}},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 40},
+                 "options": {"max_turns": 2, "system_prompt": ""}},
+        "sampling": {"temperature": 0.7, "max_new_tokens": 32},
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
         "optim": {"lr": 5e-4},
-        "train": {"steps": 24, "prompts_per_step": 8, "group_size": 4, "micro_batch_size": 8},
+        "train": {"steps": 16, "prompts_per_step": 8, "group_size": 4, "micro_batch_size": 8},
         "eval": {"every": 0, "temperature": 0.0},
         "checkpoint": {"every": 4},
     },

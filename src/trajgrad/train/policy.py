@@ -62,16 +62,80 @@ class ValueHead(nn.Module):
         return self.net(hidden.detach().to(self.net[0].weight.dtype)).squeeze(-1)
 
 
-def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """(hidden ``[B, T-1, H]`` float32, head weight ``[V, H]`` float32, bias or None).
+def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Number of leading columns where every row holds the same attended token."""
+    if input_ids.shape[0] < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
+    if bool(same.all()):
+        return int(same.numel())
+    return int(same.long().argmin())
+
+
+def _stochastic(model: nn.Module) -> bool:
+    """True when a forward pass is random (dropout active): rows must then run separately."""
+    if not model.training:
+        return False
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "attention_dropout", 0.0) or 0.0)
+
+
+def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                share_prefix: bool = True, min_prefix: int = 16):
+    r"""(hidden ``[B, T-1, H]`` float32, head weight ``[V, H]`` float32, bias or None).
 
     The final hidden states that predict ``input_ids[:, 1:]`` and the output head, so that
     a loss can form logits chunk by chunk (``trajgrad.fused``, ``reverse_kl_distill_loss``).
+
+    Shared prefix: when all rows start with the same ``P >= min_prefix`` attended tokens
+    (a group's prompt, a few-shot preamble), the prefix runs once as a batch of one and the
+    rest of every row attends to its keys and values. This is the same function of the
+    same tokens (causal attention: a prefix position never sees what follows), and the
+    gradient is exact: it reaches the prefix computation through both its hidden states
+    and the keys/values every row reads (autograd sums over the expanded rows). Skipped
+    when a forward pass is random (dropout) or uses gradient checkpointing.
+
+    Columns after the last attended one (padding a micro-batch carries from its batch) are
+    not computed; their hidden states are zeros (they are masked in every use).
     """
     backbone, head = causal_parts(model)
+    T = input_ids.shape[1]
+    # trailing columns that no row attends (a micro-batch of a longer batch) are not run;
+    # their hidden states are returned as zeros
+    cols = attention_mask.bool().any(0).nonzero()
+    used = int(cols.max()) + 1 if cols.numel() else T
+    if 1 < used < T:
+        hidden, weight, bias = head_inputs(model, input_ids[:, :used], attention_mask[:, :used],
+                                           share_prefix=share_prefix, min_prefix=min_prefix)
+        return torch.nn.functional.pad(hidden, (0, 0, 0, T - used)), weight, bias
     pos = position_ids_from_mask(attention_mask)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-    hidden = out.last_hidden_state[:, :-1].float()
+    P = shared_prefix_length(input_ids, attention_mask) if share_prefix else 0
+    if P >= input_ids.shape[1]:
+        P = input_ids.shape[1] - 1
+    checkpointing = bool(getattr(backbone, "gradient_checkpointing", False))
+    if P >= max(int(min_prefix), 1) and not checkpointing and not _stochastic(model):
+        from transformers import DynamicCache
+
+        from ..rollout.models import cache_kwarg, output_cache
+
+        kw = cache_kwarg(backbone)
+        B = input_ids.shape[0]
+        first = backbone(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], position_ids=pos[:1, :P],
+                         use_cache=True, **{kw: DynamicCache()})
+        cache = output_cache(first)
+        for layer in cache.layers:  # one prefix, read by every row (expand: no copy; its grad sums the rows)
+            layer.keys = layer.keys.expand(B, -1, -1, -1)
+            layer.values = layer.values.expand(B, -1, -1, -1)
+        rest = backbone(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
+                        use_cache=True, **{kw: cache})
+        full = torch.cat([first.last_hidden_state.expand(B, -1, -1), rest.last_hidden_state], dim=1)
+    else:
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        full = out.last_hidden_state
+    hidden = full[:, :-1].float()
     weight = head.weight.float()
     bias = head.bias.float() if getattr(head, "bias", None) is not None else None
     return hidden, weight, bias

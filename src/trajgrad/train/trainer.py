@@ -753,10 +753,11 @@ class Trainer:
             self.step += 1
             self.metrics.log(self.step, m, kind="train")
             bar.update(1)
-            bar.set_postfix({k: f"{m[k]:.3g}" for k in ("reward/mean", "success/rate", "entropy", "clip_frac", "loss")
-                             if k in m})
+            bar.set_postfix({short: f"{m[k]:.3g}" for k, short in _POSTFIX if k in m})
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
-                self.evaluate("during")
+                ev = self.evaluate("during")
+                if self.is_main:
+                    (bar.write if show else self.console)(_fmt_eval(f"at step {self.step}", ev))
             if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps):
                 self.save()
         bar.close()
@@ -780,6 +781,12 @@ class Trainer:
         self.traj_log.close()
         dist_lib.barrier()
         return summary
+
+
+# live metrics on the progress bar: (metric key, label)
+_POSTFIX = (("reward/mean", "reward"), ("success/rate", "success"), ("kl/k3", "kl"), ("kl/k3_to_reference", "kl_ref"),
+            ("clip_frac/pos_high", "clip+"), ("clip_frac/neg_low", "clip-"), ("entropy", "entropy"),
+            ("throughput/gen_tokens_per_s", "tok/s"))
 
 
 class _NullLogger:
