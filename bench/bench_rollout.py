@@ -53,7 +53,8 @@ def main(argv=None):
     from trajgrad.envs import get_task_source
     from trajgrad.fused import fused_token_logprobs
     from trajgrad.rollout import HFSampler, collate
-    from trajgrad.train.policy import head_inputs, shared_prefix_length
+    from trajgrad.rollout.collate import prefix_groups
+    from trajgrad.train.policy import head_inputs
 
     cfg, model, tok = build(args.tiny)
     src = get_task_source(cfg.task.name, **cfg.task.options)
@@ -77,7 +78,8 @@ def main(argv=None):
     # ---------------------------------------------------------------- learner
     batch = collate(trajs, tok.pad_token_id)
     mbs = [list(range(i, min(i + args.micro_batch, len(batch)))) for i in range(0, len(batch), args.micro_batch)]
-    prefix = [shared_prefix_length(batch.input_ids[i], batch.attention_mask[i]) for i in mbs]
+    groups = [prefix_groups(batch.input_ids[i], batch.attention_mask[i]) for i in mbs]
+    prefix = [g.length if g is not None else 0 for g in groups]
     ltimes, lps = {}, {}
     model.train()
     for share in (False, True):

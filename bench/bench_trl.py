@@ -129,15 +129,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--side", choices=["trajgrad", "trl"])
     ap.add_argument("--out", default="bench/results/trl.md")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     a = ap.parse_args()
     if a.side:
+        import torch
+
+        torch.set_num_threads(a.threads)
         fn = run_trajgrad if a.side == "trajgrad" else run_trl
         print("RESULT " + json.dumps(fn(a.steps, a.warmup)))
         return
     res = {}
     for side in ("trajgrad", "trl"):
-        out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup)],
-                             capture_output=True, text=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+        out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+                              "--threads", str(a.threads)], capture_output=True, text=True, env=env)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
             print(out.stdout[-3000:], out.stderr[-5000:])
@@ -152,9 +157,9 @@ def main() -> None:
     md = [
         "## trajgrad GRPO vs TRL GRPOTrainer (same tiny model, prompts, group size, generation length, optimizer)",
         "",
-        f"Command: `{sys.executable} bench/bench_trl.py --steps {a.steps} --warmup {a.warmup}`  ",
+        f"Command: `{sys.executable} bench/bench_trl.py --steps {a.steps} --warmup {a.warmup} --threads {a.threads}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}, trl {trl.__version__}, "
-        f"threads {torch.get_num_threads()}; model: Llama hidden {HIDDEN}, {LAYERS} layers, char vocabulary; "
+        f"threads {a.threads}, load average {os.getloadavg()[0]:.1f}; model: Llama hidden {HIDDEN}, {LAYERS} layers, char vocabulary; "
         f"{P} prompts x G={G} per step, {L} new tokens, AdamW lr {LR}, beta 0, one update per batch.",
         "",
         "| trainer | samples/s | measured steps | seconds |",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model, cache_kwarg, output_cache
-from trajgrad.train.policy import causal_parts, head_inputs, learner_logprobs, position_ids_from_mask, shared_prefix_length
+from trajgrad.rollout.collate import prefix_groups
+from trajgrad.train.policy import causal_parts, head_inputs, learner_logprobs, position_ids_from_mask
 
 
 @pytest.fixture(scope="module")
@@ -15,10 +18,19 @@ def tok():
     return build_char_tokenizer()
 
 
-def _batch(B=4, T=40, P=20, seed=0):
+def _batch(B=4, T=40, P=20, seed=0, groups=1):
+    """Rows share their first ``P`` tokens (``groups=2``: rows 0-1 and rows 2-3 share a
+    prefix of ``P`` and ``P + 4`` tokens, and all rows their first 6)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 90, (B, T), generator=g)
-    ids[:, :P] = ids[0, :P]
+    if groups == 1:
+        ids[:, :P] = ids[0, :P]
+    else:
+        half = B // 2
+        ids[:half, :P] = ids[0, :P]
+        ids[half:, :P + 4] = ids[half, :P + 4]
+        ids[:, :6] = ids[0, :6]
+        ids[half:, 6] = ids[0, 6] + 1  # the two groups differ from token 6 on
     am = torch.ones(B, T, dtype=torch.long)
     am[1, 30:] = 0  # ragged right padding
     am[2, 25:] = 0
@@ -39,22 +51,56 @@ def _max_rel(a, b):
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in b)
 
 
-def test_shared_prefix_length(tok):
+def _brute_force_saving(ids, am, min_prefix):
+    B = ids.shape[0]
+    cap = min(int(am.sum(1).min()) - 1, int(am.long().cumprod(1).sum(1).min()))
+    best = 0
+    for p in range(max(min_prefix, 1), cap + 1):
+        distinct = len({tuple(r[:p].tolist()) for r in ids})
+        best = max(best, (B - distinct) * p)
+    return best
+
+
+def test_prefix_groups_examples():
     ids, am, _ = _batch(P=20)
-    assert shared_prefix_length(ids, am) >= 20
-    assert shared_prefix_length(ids[:1], am[:1]) == 0  # one row: nothing to share
+    g = prefix_groups(ids, am)
+    assert g.length >= 20 and g.rows.tolist() == [0] and g.index.tolist() == [0, 0, 0, 0]
+    assert prefix_groups(ids[:1], am[:1]) is None  # one row: nothing to share
     ids2 = ids.clone()
-    ids2[3, 0] = ids2[0, 0] + 1
-    assert shared_prefix_length(ids2, am) == 0
-    same = ids[:1].repeat(3, 1)
-    assert shared_prefix_length(same, torch.ones_like(same)) == same.shape[1]
+    ids2[:, 0] = torch.arange(4)
+    assert prefix_groups(ids2, am) is None
+    ids, am, _ = _batch(P=20, groups=2)
+    g = prefix_groups(ids, am)
+    assert g.length == 20 and g.index.tolist() == [0, 0, 1, 1] and g.saved_tokens == 40
+    with pytest.raises(ValueError, match="input_ids"):
+        prefix_groups(ids, am[:, :3])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 7), st.integers(4, 14), st.integers(1, 4), st.integers(0, 2**16), st.integers(1, 5))
+def test_prefix_groups_saves_the_most_and_groups_equal_prefixes(B, T, vocab, seed, min_prefix):
+    g_ = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g_)
+    lengths = torch.randint(2, T + 1, (B,), generator=g_)
+    am = (torch.arange(T)[None] < lengths[:, None]).long()
+    g = prefix_groups(ids, am, min_prefix=min_prefix)
+    best = _brute_force_saving(ids, am, min_prefix)
+    if g is None:
+        assert best == 0
+        return
+    assert g.saved_tokens == best > 0
+    assert g.length < int(lengths.min())  # a token left in every row
+    for b in range(B):
+        assert torch.equal(ids[b, : g.length], ids[g.rows[g.index[b]], : g.length])
+    assert len({tuple(ids[r, : g.length].tolist()) for r in g.rows}) == g.rows.numel()  # groups are distinct
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-prefix", "two-groups"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn):
+def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn, groups):
     model = build_tiny_model(tok, hidden_size=32, layers=2, heads=2, seed=0, dtype=torch.float64)
     model.set_attn_implementation(attn)
-    ids, am, act = _batch()
+    ids, am, act = _batch(groups=groups)
     w = torch.randn(ids.shape[0], ids.shape[1] - 1, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def loss(share):
@@ -74,25 +120,27 @@ def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn):
 
     def detached_prefix():
         pos = position_ids_from_mask(am)
-        P = shared_prefix_length(ids, am)
+        g = prefix_groups(ids, am)
+        P, idx = g.length, g.index
         with torch.no_grad():
-            first = backbone(input_ids=ids[:1, :P], attention_mask=am[:1, :P], position_ids=pos[:1, :P], use_cache=True,
-                             **{kw: DynamicCache()})
+            first = backbone(input_ids=ids[g.rows, :P], attention_mask=am[g.rows, :P], position_ids=pos[g.rows, :P],
+                             use_cache=True, **{kw: DynamicCache()})
         cache = output_cache(first)
         for layer in cache.layers:
-            layer.keys = layer.keys.expand(ids.shape[0], -1, -1, -1)
-            layer.values = layer.values.expand(ids.shape[0], -1, -1, -1)
+            layer.keys = layer.keys[idx]
+            layer.values = layer.values[idx]
         rest = backbone(input_ids=ids[:, P:], attention_mask=am, position_ids=pos[:, P:], use_cache=True, **{kw: cache})
-        h = torch.cat([first.last_hidden_state.expand(ids.shape[0], -1, -1), rest.last_hidden_state], 1)[:, :-1]
+        h = torch.cat([first.last_hidden_state[idx], rest.last_hidden_state], 1)[:, :-1]
         return (h * w * act[..., None]).sum()
 
     _, g_wrong = _grads(model, detached_prefix)
     assert _max_rel(g_wrong, g_plain) > 1e-2
 
 
-def test_learner_logprobs_use_the_prefix_exactly(tok):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_learner_logprobs_use_the_prefix_exactly(tok, groups):
     model = build_tiny_model(tok, hidden_size=32, layers=2, heads=2, seed=3, dtype=torch.float64)
-    ids, am, act = _batch(seed=4)
+    ids, am, act = _batch(seed=4, groups=groups)
     a = learner_logprobs(model, ids, am, act).logp
     # per row, alone (no prefix to share, no padding neighbours)
     rows = [learner_logprobs(model, ids[b:b + 1], am[b:b + 1], act[b:b + 1]).logp for b in range(ids.shape[0])]

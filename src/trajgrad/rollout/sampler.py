@@ -28,8 +28,8 @@ together with the action.
 
 KV reuse: the keys and values an episode's context produced are kept between its turns,
 so a turn only runs the model on the tokens added since (the last action token and the
-observation); the first turn computes the prompt prefix that all episodes of a call
-share once. Cached states belong to the weights that produced them: they are dropped
+observation); at the first turn, a prompt prefix that several episodes share (a group's
+prompt, a common system prompt) is computed once. Cached states belong to the weights that produced them: they are dropped
 when the policy version changes (:meth:`HFSampler.set_policy_version`) and can be dropped
 by hand with :meth:`HFSampler.clear_cache` after loading weights in place under the same
 version. The values are the same function of the same tokens as a full recompute (float
@@ -60,7 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .chat import decode_action, end_of_turn_id, observation_ids, prompt_ids
-from .collate import position_ids_from_attention_mask
+from .collate import position_ids_from_attention_mask, prefix_groups
 from .models import cache_kwarg, output_cache
 from .trajectory import Trajectory, Turn
 
@@ -534,32 +534,32 @@ class HFSampler:
 
     @torch.no_grad()
     def _shared_prefix(self, seqs: List[List[int]], past: List[Optional[RowKV]], min_tokens: int = 8):
-        """Rows with nothing cached that share a prefix of ``min_tokens`` or more: run that
-        prefix once (batch of one) and give them its keys and values."""
+        """Rows with nothing cached that share prefixes (a group's prompt, a common system
+        prompt; :func:`~trajgrad.rollout.collate.prefix_groups`): run each distinct prefix
+        once and give its rows its keys and values."""
         fresh = [i for i, p in enumerate(past) if p is None]
         if len(fresh) < 2:
             return past
-        first = seqs[fresh[0]]
-        n = min(len(seqs[i]) for i in fresh) - 1  # at least one token left to run per row
-        for i in fresh[1:]:
-            s = seqs[i]
-            k = 0
-            while k < n and s[k] == first[k]:
-                k += 1
-            n = k
-        if n < min_tokens:
+        T = max(len(seqs[i]) for i in fresh)
+        ids = torch.zeros((len(fresh), T), dtype=torch.long)
+        mask = torch.zeros((len(fresh), T), dtype=torch.long)
+        for r, i in enumerate(fresh):
+            ids[r, :len(seqs[i])] = torch.as_tensor(seqs[i], dtype=torch.long)
+            mask[r, :len(seqs[i])] = 1
+        groups = prefix_groups(ids, mask, min_prefix=min_tokens)
+        if groups is None:
             return past
         device = _model_device(self.model)
-        ids = torch.as_tensor([first[:n]], dtype=torch.long, device=device)
-        mask = torch.ones_like(ids)
+        head = ids[groups.rows, :groups.length].to(device)
+        ones = torch.ones_like(head)
         step_fn = _Stepper(self.model, False)
-        step_fn(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_attention_mask(mask), cache=None)
-        shared = _extract_rows(step_fn.cache, torch.zeros(1, dtype=torch.long), mask)
+        step_fn(input_ids=head, attention_mask=ones, position_ids=position_ids_from_attention_mask(ones), cache=None)
+        shared = _extract_rows(step_fn.cache, torch.arange(head.shape[0]), ones)
         if shared is None:
             return past
         out = list(past)
-        for i in fresh:
-            out[i] = shared[0]
+        for r, i in enumerate(fresh):
+            out[i] = shared[int(groups.index[r])]
         return out
 
     def rollout(

@@ -22,6 +22,7 @@ version is per turn, never per episode).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -127,7 +128,7 @@ class Turn:
             raise ValueError(f"info: expected a dict, got {type(self.info).__name__}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _fields_copy(self)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Turn":
@@ -247,8 +248,7 @@ class Trajectory:
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
-        return d
+        return _fields_copy(self, {"turns": [t.to_dict() for t in self.turns]})
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Trajectory":
@@ -273,6 +273,23 @@ class Trajectory:
         except json.JSONDecodeError as exc:
             raise ValueError(f"line: not valid JSON ({exc})") from exc
         return cls.from_dict(d)
+
+
+def _fields_copy(obj, given: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The dataclass fields as a dict that shares nothing mutable with ``obj`` (what
+    ``dataclasses.asdict`` returns, without walking every int of the token lists)."""
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if given and f.name in given:
+            out[f.name] = given[f.name]
+            continue
+        v = getattr(obj, f.name)
+        if isinstance(v, list) and all(x is None or isinstance(x, (int, float, str, bool)) for x in v):
+            v = list(v)  # token ids / log-probs: a shallow copy is a full copy
+        elif isinstance(v, (dict, list, tuple)):
+            v = copy.deepcopy(v)
+        out[f.name] = v
+    return out
 
 
 def _scan(path: str) -> tuple[List[int], int]:

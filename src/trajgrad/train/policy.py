@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import logprobs as lp
 from ..fused import fused_entropy, fused_token_logprobs
+from ..rollout.collate import prefix_groups
 
 
 def causal_parts(model: nn.Module):
@@ -62,16 +63,6 @@ class ValueHead(nn.Module):
         return self.net(hidden.detach().to(self.net[0].weight.dtype)).squeeze(-1)
 
 
-def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """Number of leading columns where every row holds the same attended token."""
-    if input_ids.shape[0] < 2:
-        return 0
-    same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
-    if bool(same.all()):
-        return int(same.numel())
-    return int(same.long().argmin())
-
-
 def _stochastic(model: nn.Module) -> bool:
     """True when a forward pass is random (dropout active): rows must then run separately."""
     if not model.training:
@@ -90,13 +81,14 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     The final hidden states that predict ``input_ids[:, 1:]`` and the output head, so that
     a loss can form logits chunk by chunk (``trajgrad.fused``, ``reverse_kl_distill_loss``).
 
-    Shared prefix: when all rows start with the same ``P >= min_prefix`` attended tokens
-    (a group's prompt, a few-shot preamble), the prefix runs once as a batch of one and the
-    rest of every row attends to its keys and values. This is the same function of the
-    same tokens (causal attention: a prefix position never sees what follows), and the
-    gradient is exact: it reaches the prefix computation through both its hidden states
-    and the keys/values every row reads (autograd sums over the expanded rows). Skipped
-    when a forward pass is random (dropout) or uses gradient checkpointing.
+    Shared prefixes: rows that start with the same ``P >= min_prefix`` attended tokens (a
+    GRPO group's prompt, a few-shot preamble; :func:`trajgrad.rollout.collate.prefix_groups`
+    picks the ``P`` that saves most) run that prefix once per group, and the rest of every
+    row attends to its group's keys and values. This is the same function of the same
+    tokens (causal attention: a prefix position never sees what follows), and the gradient
+    is exact: it reaches the prefix computation through both its hidden states and the
+    keys/values every row reads (autograd sums over the rows of a group). Skipped when a
+    forward pass is random (dropout) or uses gradient checkpointing.
 
     Columns after the last attended one (padding a micro-batch carries from its batch) are
     not computed; their hidden states are zeros (they are masked in every use).
@@ -112,26 +104,28 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
                                            share_prefix=share_prefix, min_prefix=min_prefix)
         return torch.nn.functional.pad(hidden, (0, 0, 0, T - used)), weight, bias
     pos = position_ids_from_mask(attention_mask)
-    P = shared_prefix_length(input_ids, attention_mask) if share_prefix else 0
-    if P >= input_ids.shape[1]:
-        P = input_ids.shape[1] - 1
     checkpointing = bool(getattr(backbone, "gradient_checkpointing", False))
-    if P >= max(int(min_prefix), 1) and not checkpointing and not _stochastic(model):
+    groups = None
+    if share_prefix and not checkpointing and not _stochastic(model):
+        groups = prefix_groups(input_ids, attention_mask, min_prefix=min_prefix)
+    if groups is not None:
         from transformers import DynamicCache
 
         from ..rollout.models import cache_kwarg, output_cache
 
         kw = cache_kwarg(backbone)
-        B = input_ids.shape[0]
-        first = backbone(input_ids=input_ids[:1, :P], attention_mask=attention_mask[:1, :P], position_ids=pos[:1, :P],
-                         use_cache=True, **{kw: DynamicCache()})
+        B, P, reps, idx = input_ids.shape[0], groups.length, groups.rows, groups.index
+        first = backbone(input_ids=input_ids[reps, :P], attention_mask=attention_mask[reps, :P],
+                         position_ids=pos[reps, :P], use_cache=True, **{kw: DynamicCache()})
         cache = output_cache(first)
-        for layer in cache.layers:  # one prefix, read by every row (expand: no copy; its grad sums the rows)
-            layer.keys = layer.keys.expand(B, -1, -1, -1)
-            layer.values = layer.values.expand(B, -1, -1, -1)
+        one = reps.numel() == 1
+        for layer in cache.layers:  # each group's prefix, read by its rows (the grad sums them)
+            layer.keys = layer.keys.expand(B, -1, -1, -1) if one else layer.keys[idx]
+            layer.values = layer.values.expand(B, -1, -1, -1) if one else layer.values[idx]
         rest = backbone(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
                         use_cache=True, **{kw: cache})
-        full = torch.cat([first.last_hidden_state.expand(B, -1, -1), rest.last_hidden_state], dim=1)
+        head_h = first.last_hidden_state.expand(B, -1, -1) if one else first.last_hidden_state[idx]
+        full = torch.cat([head_h, rest.last_hidden_state], dim=1)
     else:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
         full = out.last_hidden_state
