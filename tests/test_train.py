@@ -188,3 +188,11 @@ def test_on_policy_old_logp_reuse_equals_a_separate_recompute(tmp_path):
         params.append({n: p.detach().clone() for n, p in tr.model.named_parameters()})
     for n in params[0]:
         assert torch.allclose(params[0][n], params[1][n], atol=1e-6), n
+
+
+def test_evaluation_during_training_uses_during_n_tasks(tmp_path):
+    cfg = micro_config("grpo", train={"steps": 2}, sft={"steps": 0},
+                       eval={"before": True, "after": True, "every": 1, "during_n": 2})
+    Trainer(cfg, tmp_path / "run", console=lambda *_: None).run()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["kind"].startswith("eval")]
+    assert [(r["kind"], r["eval/n"]) for r in rows] == [("eval_before", 4), ("eval_during", 2), ("eval_after", 4)]

@@ -104,6 +104,8 @@ class SFTConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(10, ge=0)
     n: Optional[int] = Field(None, ge=1, description="held-out tasks to evaluate; None = task.n_heldout")
+    during_n: Optional[int] = Field(None, ge=1, description="evaluations during training use the first during_n "
+                                    "of those tasks (a quicker look); None = all")
     temperature: float = Field(0.0, ge=0)
     before: bool = True
     after: bool = True
@@ -212,7 +214,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
         "optim": {"lr": 5e-4},
         "train": {"steps": 16, "prompts_per_step": 8, "group_size": 4, "micro_batch_size": 8},
-        "eval": {"every": 0, "temperature": 0.0},
+        "eval": {"every": 8, "during_n": 16, "temperature": 0.0},
         "checkpoint": {"every": 4},
     },
     # A randomly initialized small model: SFT warm start, then GRPO. Minutes on a CPU.

@@ -239,7 +239,8 @@ class Trainer:
         seed_everything(_step_seed(cfg.train.seed, 0, salt=99))
         sampler = HFSampler(self.model, self.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
                             max_new_tokens=cfg.sampling.max_new_tokens, policy_version=self.policy_version)
-        trajs = sampler.rollout(self.source, self.heldout_tasks, group_size=1, seed=_step_seed(cfg.train.seed, 0, 99))
+        tasks = self.heldout_tasks[:cfg.eval.during_n] if tag == "during" and cfg.eval.during_n else self.heldout_tasks
+        trajs = sampler.rollout(self.source, tasks, group_size=1, seed=_step_seed(cfg.train.seed, 0, 99))
         torch.set_rng_state(saved[1]); random.setstate(saved[2]); np.random.set_state(saved[3])
         self.model.train()
         succ = sum(1 for t in trajs if t.success)
