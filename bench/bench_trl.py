@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--side", choices=["trajgrad", "trl"])
     ap.add_argument("--out", default="bench/results/trl.md")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; the median is reported")
     a = ap.parse_args()
     if a.side:
         import torch
@@ -138,17 +139,19 @@ def main() -> None:
         fn = run_trajgrad if a.side == "trajgrad" else run_trl
         print("RESULT " + json.dumps(fn(a.steps, a.warmup)))
         return
-    res = {}
-    for side in ("trajgrad", "trl"):
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
-        out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                              "--threads", str(a.threads)], capture_output=True, text=True, env=env)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if not line:
-            print(out.stdout[-3000:], out.stderr[-5000:])
-            raise SystemExit(f"{side} failed")
-        res[side] = json.loads(line[0][7:])
-        print(side, res[side], flush=True)
+    runs = {"trajgrad": [], "trl": []}
+    for rnd in range(a.rounds):  # alternate the sides so that a change in machine load hits both
+        for side in ("trajgrad", "trl"):
+            env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+            out = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup",
+                                  str(a.warmup), "--threads", str(a.threads)], capture_output=True, text=True, env=env)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if not line:
+                print(out.stdout[-3000:], out.stderr[-5000:])
+                raise SystemExit(f"{side} failed")
+            runs[side].append(json.loads(line[0][7:]))
+            print(f"round {rnd + 1} {side}: {runs[side][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    res = {side: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for side, r in runs.items()}  # median run
     import torch
     import trl
 
@@ -157,7 +160,8 @@ def main() -> None:
     md = [
         "## trajgrad GRPO vs TRL GRPOTrainer (same tiny model, prompts, group size, generation length, optimizer)",
         "",
-        f"Command: `{sys.executable} bench/bench_trl.py --steps {a.steps} --warmup {a.warmup} --threads {a.threads}`  ",
+        f"Command: `{sys.executable} bench/bench_trl.py --steps {a.steps} --warmup {a.warmup} --threads {a.threads} "
+        f"--rounds {a.rounds}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}, trl {trl.__version__}, "
         f"threads {a.threads}, load average {os.getloadavg()[0]:.1f}; model: Llama hidden {HIDDEN}, {LAYERS} layers, char vocabulary; "
         f"{P} prompts x G={G} per step, {L} new tokens, AdamW lr {LR}, beta 0, one update per batch.",
@@ -167,6 +171,11 @@ def main() -> None:
         f"| TRL GRPOTrainer | {res['trl']['samples_per_s']:.1f} | {res['trl']['steps']} | {res['trl']['seconds']:.1f} |",
         f"| trajgrad | {res['trajgrad']['samples_per_s']:.1f} | {res['trajgrad']['steps']} | {res['trajgrad']['seconds']:.1f} |",
         f"| **ratio trajgrad / TRL** | **{ratio:.2f}x** | | |",
+        "",
+        f"Median of {a.rounds} alternating runs per side; per-round ratios: "
+        + ", ".join(f"{t['samples_per_s'] / r['samples_per_s']:.2f}x" for t, r in zip(runs["trajgrad"], runs["trl"]))
+        + "; samples/s per run: trajgrad " + ", ".join(f"{t['samples_per_s']:.0f}" for t in runs["trajgrad"])
+        + ", TRL " + ", ".join(f"{r['samples_per_s']:.0f}" for r in runs["trl"]) + ".",
         "",
         f"Where trajgrad's step time goes: generation {bd['time/generate']:.0%}, log-prob recompute "
         f"{bd['time/logprob_recompute']:.0%}, update (forward + backward + optimizer) {bd['time/update']:.0%}, "
