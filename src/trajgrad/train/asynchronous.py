@@ -304,6 +304,10 @@ class WeightStore:
     def latest_version(self) -> int:
         return self.version
 
+    def finished(self, worker: int, key: str) -> None:
+        """A worker's episode ended: its progress turn becomes -1."""
+        self.progress[int(worker)] = (key, -1, time.time())
+
     def get_progress(self) -> Dict[int, Tuple[str, int, float]]:
         return dict(self.progress)
 
@@ -374,6 +378,8 @@ class RolloutWorker:
         syncs0, sync_s0 = self.syncs, self.sync_seconds
         trajs = self.sampler.rollout(self.source, [task], group_size=1, seed=int(seed),
                                      before_turn=lambda turn: self._sync(key, turn))
+        if self.store is not None:
+            self.store.finished.remote(self.index, key)  # ordered before this worker's next call
         for t in trajs:
             t.metadata["worker"] = self.index
         return {"key": key, "trajectories": trajs, "worker": self.index, "seconds": time.perf_counter() - t0,
@@ -570,7 +576,8 @@ class _RayLearner:
         return v
 
     def worker_progress(self) -> Dict[int, Tuple[str, int, float]]:
-        """Per worker slot: (episode key, turn index, time) of its last weight check."""
+        """Per worker slot: (episode key, turn index, time) of its last weight check; the
+        turn index is -1 once that episode has ended."""
         import ray
 
         return ray.get(self.store.get_progress.remote())
