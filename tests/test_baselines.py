@@ -96,7 +96,10 @@ def test_all_groups_constant_batch_std_eps0_is_zero_not_nan():
 rewards_2d = st.integers(1, 5).flatmap(
     lambda n: st.integers(2, 6).flatmap(
         lambda g: st.lists(
-            st.lists(st.floats(-10, 10, allow_nan=False, width=64), min_size=g, max_size=g),
+            # rewards below 1e-100 in magnitude are 0: their squares underflow to subnormals,
+            # where a variance keeps only a few bits (an artefact of float64, not of the estimator)
+            st.lists(st.floats(-10, 10, allow_nan=False, width=64).map(lambda x: 0.0 if abs(x) < 1e-100 else x),
+                     min_size=g, max_size=g),
             min_size=n,
             max_size=n,
         )
