@@ -80,6 +80,11 @@ class CalculatorConfig:
       system_prompt: ``None`` for the built-in instructions, a string to replace them, or
         ``""`` for no system message (small models trained by SFT learn the format from
         the demonstrations and need no instructions).
+      direct_demo_fraction: fraction of tasks whose demonstration answers at once, without
+        calling the calculator (chosen by a hash of the expression, independently of the
+        split), like a teacher that sometimes skips the tool. A model warm-started on such
+        demonstrations calls the tool only part of the time, and its direct answers to new
+        tasks are guesses: RL has a strategy to learn (the ``tiny`` presets). Default 0.
     """
 
     min_ops: int = 2
@@ -96,6 +101,7 @@ class CalculatorConfig:
     correct_potential: float = 0.5
     require_call: bool = False
     system_prompt: Optional[str] = None
+    direct_demo_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
@@ -119,6 +125,9 @@ class CalculatorConfig:
             raise ValueError(f"ops_per_call: expected None or an integer >= 1, got {self.ops_per_call!r}")
         if not (isinstance(self.max_turns, int) and self.max_turns >= 1):
             raise ValueError(f"max_turns: expected an integer >= 1, got {self.max_turns!r}")
+        if not (isinstance(self.direct_demo_fraction, (int, float)) and not isinstance(self.direct_demo_fraction, bool)
+                and 0.0 <= float(self.direct_demo_fraction) <= 1.0):
+            raise ValueError(f"direct_demo_fraction: expected a number in [0, 1], got {self.direct_demo_fraction!r}")
         for name in ("format_bonus", "cost_per_call", "correct_potential"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
@@ -126,6 +135,14 @@ class CalculatorConfig:
 
 
 # --- expressions -------------------------------------------------------------------------
+
+
+def _answers_directly(expression: str, fraction: float) -> bool:
+    """Whether the demonstration of ``expression`` skips the calculator (a hash, not the split's)."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.sha256(f"direct|{expression}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
 def _split_of(expression: str, heldout_fraction: float) -> str:
@@ -424,11 +441,14 @@ class CalculatorSource:
 
         With ``ops_per_call`` None (the source's setting by default) one call evaluates
         the whole expression; with ``ops_per_call=1`` one call per operation, in
-        evaluation order.
+        evaluation order. For the fraction ``direct_demo_fraction`` of tasks the
+        demonstration is the answer alone, without a call.
         """
         expression = task.metadata.get("expression") if isinstance(task, Task) else None
         if not isinstance(expression, str):
             raise ValueError("task: expected a calculator Task with metadata['expression']")
+        if _answers_directly(expression, float(self.config.direct_demo_fraction)):
+            return [{"role": "assistant", "content": f"<answer>{format_number(task.answer)}</answer>"}]
         per_call = self.config.ops_per_call if ops_per_call is None else ops_per_call
         if per_call is None or per_call >= count_operations(expression):
             calls = [(expression, safe_eval_arithmetic(expression))]
