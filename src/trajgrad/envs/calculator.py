@@ -20,7 +20,9 @@ Rewards (per step; the episode return is their sum):
   calculator call is judged wrong.
 * ``format_bonus`` (default 0.1), once per episode, on the step of the first
   well-formed calculator call (a tag whose expression the calculator accepts).
-* Exceeding ``max_turns`` (default 4) without answering truncates the episode.
+* Exceeding ``max_turns`` (default 4) without answering truncates the episode; with
+  ``max_turns_terminates=True`` it ends the episode as a failure instead (``terminated``,
+  so a critic does not bootstrap a value there).
 
 ``ops_per_call=1`` makes the calculator accept a single operation per call
 (``<calc>7 * 31</calc>``), so a 3-operation task needs three calls and one answer,
@@ -71,6 +73,12 @@ class CalculatorConfig:
       ops_per_call: ``None`` (any expression) or the maximum number of operations the
         calculator accepts in one call.
       max_turns: assistant turns before truncation.
+      max_turns_terminates: if True, running out of turns without answering is a failure
+        of the task: the episode is ``terminated`` (return 0 beyond the rewards so far)
+        instead of ``truncated``. Critic recipes bootstrap the value of a truncated
+        episode's last state, and a policy can exploit that estimate by never answering
+        (malformed answers until the turn limit); a terminated episode has nothing to
+        bootstrap. Default False.
       format_bonus: reward for the first well-formed calculator call of an episode.
       cost_per_call: ``info["cost"]`` of each calculator call (§22).
       few_shot: include the one-shot example in ``reset``.
@@ -95,6 +103,7 @@ class CalculatorConfig:
     heldout_fraction: float = 0.2
     ops_per_call: Optional[int] = None
     max_turns: int = 4
+    max_turns_terminates: bool = False
     format_bonus: float = 0.1
     cost_per_call: float = 0.0
     few_shot: bool = True
@@ -125,6 +134,8 @@ class CalculatorConfig:
             raise ValueError(f"ops_per_call: expected None or an integer >= 1, got {self.ops_per_call!r}")
         if not (isinstance(self.max_turns, int) and self.max_turns >= 1):
             raise ValueError(f"max_turns: expected an integer >= 1, got {self.max_turns!r}")
+        if not isinstance(self.max_turns_terminates, bool):
+            raise ValueError(f"max_turns_terminates: expected a bool, got {self.max_turns_terminates!r}")
         if not (isinstance(self.direct_demo_fraction, (int, float)) and not isinstance(self.direct_demo_fraction, bool)
                 and 0.0 <= float(self.direct_demo_fraction) <= 1.0):
             raise ValueError(f"direct_demo_fraction: expected a number in [0, 1], got {self.direct_demo_fraction!r}")
@@ -347,8 +358,9 @@ class CalculatorEnv:
 
         if self._turns >= self.max_turns:
             self._done = True
+            self._terminated = bool(self.config.max_turns_terminates)
             info.update(success=False, potential=self.potential())
-            return StepResult([], reward, False, True, info)
+            return StepResult([], reward, self._terminated, not self._terminated, info)
         info["potential"] = self.potential()
         return StepResult([{"role": "user", "content": observation}], reward, False, False, info)
 
