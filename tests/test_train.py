@@ -196,3 +196,64 @@ def test_evaluation_during_training_uses_during_n_tasks(tmp_path):
     Trainer(cfg, tmp_path / "run", console=lambda *_: None).run()
     rows = [r for r in read_metrics(tmp_path / "run") if r["kind"].startswith("eval")]
     assert [(r["kind"], r["eval/n"]) for r in rows] == [("eval_before", 4), ("eval_during", 2), ("eval_after", 4)]
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8.0}], ids=["full", "lora"])
+def test_reference_is_the_policy_when_rl_starts(tmp_path, lora):
+    """pi_ref is the policy after the SFT warm start, not the model before it (§7, §8)."""
+    torch.manual_seed(0)
+    # PPO: KL to pi_ref in the reward, so the learner recomputes and logs it every step
+    cfg = micro_config("ppo", model={"lora": lora}, sft={"steps": 30, "lr": 1e-2}, critic={"warmup_steps": 0},
+                       train={"steps": 2}, checkpoint={"every": 0})
+    tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
+    initial = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    tr.run()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    # step 1 scores with exactly the policy that was snapshotted: KL to pi_ref is 0 (a reference
+    # taken before the warm start, or the LoRA base without adapters, would be far from it)
+    assert rows[0]["kl/k3_to_reference"] == pytest.approx(0.0, abs=1e-9)
+    ref = dict(zip(tr.reference.names, tr.reference.weights))
+    assert set(ref) == set(initial)
+    assert any(not torch.equal(ref[n], initial[n]) for n in ref)  # SFT moved them: the snapshot is post-SFT
+    batch = tr._demo_batch(tr.train_tasks[:3])
+    ref_logp = tr._reference_logprobs(batch)
+    with torch.no_grad():  # move the policy: pi_ref must not follow
+        gen = torch.Generator().manual_seed(1)
+        for p in tr.model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    live = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        with tr.reference.applied(tr.model):
+            inside = tr._logprobs(batch).logp
+            assert all(torch.equal(p, ref[n]) for n, p in tr.model.named_parameters() if n in ref)
+        moved = tr._logprobs(batch).logp
+    assert all(torch.equal(p, live[n]) for n, p in tr.model.named_parameters() if n in live)  # restored
+    torch.testing.assert_close(inside, ref_logp, rtol=0, atol=0)
+    torch.testing.assert_close(tr._reference_logprobs(batch), ref_logp, rtol=0, atol=0)
+    assert not torch.allclose(moved, ref_logp)
+
+
+def test_reference_snapshot_survives_a_checkpoint(tmp_path):
+    cfg = micro_config("grpo", sft={"steps": 20, "lr": 1e-2}, train={"steps": 2}, checkpoint={"every": 1})
+    torch.manual_seed(0)
+    tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
+    tr.run()
+    resumed = Trainer(cfg, tmp_path / "run", resume=True, console=lambda *_: None)
+    for a, b in zip(tr.reference.weights, resumed.reference.weights):
+        assert torch.equal(a, b)
+    from trajgrad.train.models import ReferenceWeights
+
+    with pytest.raises(ValueError, match="model: has no trainable parameters"):
+        ReferenceWeights(torch.nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_presets_end_episodes_that_run_out_of_turns_as_failures():
+    """A truncated episode bootstraps from the critic (§10); on the calculator task running out
+    of turns is a failure, so no preset leaves a critic recipe a stalling exploit."""
+    from trajgrad.train.config import PRESETS
+
+    for name in PRESETS:
+        cfg = load_config(preset=name)
+        if cfg.task.name == "calculator":
+            assert cfg.task.options.get("max_turns_terminates") is True, name

@@ -605,6 +605,7 @@ class _RayLearner:
             bar.close()
             if cfg.eval.before:
                 self.console(_fmt_eval("after SFT", tr.evaluate("after_sft")))
+        tr._snapshot_reference()  # pi_ref = the policy when RL starts
         if cfg.checkpoint.every:
             self.save()
 

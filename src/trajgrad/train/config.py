@@ -221,8 +221,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         # instruction system prompt makes it answer without calling the tool
         # two turns: call the calculator, then answer (the base model first writes a
         # made-up <result> instead of calling; RL has to teach it to call first)
+        # running out of turns without an answer is a failure (terminated), so a recipe with a
+        # critic (`--set recipe.name=ppo`) cannot learn to stall into a bootstrapped value
         "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
-                 "options": {"max_turns": 2, "system_prompt": ""}},
+                 "options": {"max_turns": 2, "max_turns_terminates": True, "system_prompt": ""}},
         "sampling": {"temperature": 0.7, "max_new_tokens": 32},
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
         "optim": {"lr": 5e-4},
@@ -271,7 +273,7 @@ PRESETS.update({
         "name": "smollm2-calculator-sao",
         "model": {"name": "smollm2", "dtype": "auto", "lora": {"r": 8, "alpha": 16}},
         "task": {"name": "calculator", "n_train": 4000, "n_heldout": 64,
-                 "options": {"max_turns": 3, "system_prompt": ""}},
+                 "options": {"max_turns": 3, "max_turns_terminates": True, "system_prompt": ""}},
         "sampling": {"temperature": 1.0, "max_new_tokens": 40},
         "recipe": {"name": "sao", "overrides": {"eps_low": 0.3, "eps_high": 5.0}},
         "optim": {"lr": 5e-4},

@@ -1,12 +1,14 @@
 """Building the policy (embedded SmolLM2 or a tiny random model), LoRA, and the reference.
 
-With LoRA the reference policy is the base model with the adapters switched off (no
-second copy of the weights); without LoRA the trainer keeps a frozen copy.
+The reference policy pi_ref of a KL term (§7, §8) is the policy as it stands when RL starts,
+that is after the SFT warm start when there is one. :class:`ReferenceWeights` keeps a frozen
+copy of the policy's trainable parameters at that moment (with LoRA: only the adapters; the
+frozen base weights are shared) and swaps it in while the reference log-probs are computed.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 
@@ -38,11 +40,47 @@ def build_policy_model(cfg: ModelConfig) -> Tuple[torch.nn.Module, object]:
     return model, tok
 
 
-@contextlib.contextmanager
-def reference_context(model: torch.nn.Module):
-    """Run ``model`` as the reference policy: LoRA adapters disabled (peft models only)."""
-    if hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
+class ReferenceWeights(torch.nn.Module):
+    """pi_ref: a frozen snapshot of ``model``'s trainable parameters (§7, §8).
+
+    ``ReferenceWeights(model)`` copies every parameter with ``requires_grad`` (all weights
+    of a fully fine-tuned model; only the adapters of a LoRA model). ``with ref.applied(model):``
+    points those parameters at the snapshot, so the model computes pi_ref, and restores them
+    on exit. Nothing is copied on entry or exit (the parameters' ``.data`` are swapped), so use
+    it under ``torch.no_grad()`` and with no autograd graph of the model pending.
+
+    The snapshot is a module whose parameters are the saved weights, so a checkpoint keeps
+    it and a resumed run computes the same pi_ref; the snapshot is never given to an optimizer.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model: has no trainable parameters to snapshot as the reference")
+        self.names: List[str] = [n for n, _ in named]
+        # requires_grad=True only marks them as the state a checkpoint must keep
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(p.detach().clone()) for _, p in named])
+
+    def _targets(self, model: torch.nn.Module) -> List[torch.nn.Parameter]:
+        params = dict(model.named_parameters())
+        out = []
+        for name, ref in zip(self.names, self.weights):
+            p = params.get(name)
+            if p is None or p.shape != ref.shape:
+                raise ValueError(f"model: parameter {name!r} does not match the reference snapshot")
+            out.append(p)
+        return out
+
+    @contextlib.contextmanager
+    def applied(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Run ``model`` as pi_ref for the duration of the block."""
+        targets = self._targets(model)
+        saved = [p.data for p in targets]
+        try:
+            for p, ref in zip(targets, self.weights):
+                p.data = ref.data
             yield model
-    else:
-        raise ValueError("model: no LoRA adapters to disable; keep a frozen reference copy instead")
+        finally:
+            for p, data in zip(targets, saved):
+                p.data = data

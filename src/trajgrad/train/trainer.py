@@ -23,7 +23,6 @@ No estimator is implemented here: every formula lives in the core and is called.
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -46,7 +45,7 @@ from .demos import demonstration_trajectory
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .metrics import MetricsLogger
-from .models import build_policy_model, reference_context
+from .models import ReferenceWeights, build_policy_model
 from .policy import ValueHead, causal_parts, head_inputs, learner_logprobs
 from .stats import two_proportion_test, wilson_interval
 
@@ -103,11 +102,11 @@ class Trainer:
             hidden = causal_parts(self.model)[1].weight.shape[1]
             self.value_head = ValueHead(hidden)
             self.critic_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.critic.lr)
-        self.reference = None
-        if self.objective.uses_reference and cfg.model.lora is None:
-            self.reference = copy.deepcopy(self.model).eval()
-            for p in self.reference.parameters():
-                p.requires_grad_(False)
+        # pi_ref is the policy when RL starts (after the SFT warm start): snapshotted by
+        # _snapshot_reference at that moment; a resumed run loads it from the checkpoint
+        self.reference: Optional[ReferenceWeights] = None
+        if resume and self.objective.uses_reference:
+            self.reference = ReferenceWeights(self.model)
         self.teacher = self._build_teacher() if self.objective.loss == "opd" else None
         self.lagrange = LagrangeMultiplier(init=cfg.constraint.init, lr=cfg.constraint.lr, budget=cfg.constraint.budget) \
             if cfg.constraint.enabled else None
@@ -146,6 +145,8 @@ class Trainer:
         mods = {"policy": self.model}
         if self.value_head is not None:
             mods["value_head"] = self.value_head
+        if self.reference is not None:
+            mods["reference"] = self.reference
         return mods
 
     def _optimizers(self) -> Dict[str, torch.optim.Optimizer]:
@@ -263,16 +264,18 @@ class Trainer:
                                 temperature=s.temperature if s.temperature > 0 else 1.0, top_k=s.top_k, top_p=s.top_p,
                                 want_hidden=want_hidden, want_entropy=want_entropy)
 
+    def _snapshot_reference(self) -> None:
+        """Freeze pi_ref as the current policy (called when RL starts; a no-op once taken)."""
+        if self.objective.uses_reference and self.reference is None:
+            self.reference = ReferenceWeights(self.model)
+
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        self._snapshot_reference()
         outs = []
-        for idx in self._micro_batches(len(batch)):
-            mb = batch.select(idx)
-            if self.reference is not None:
-                outs.append(self._logprobs(mb, model=self.reference).logp)
-            else:
-                with reference_context(self.model):
-                    outs.append(self._logprobs(mb).logp)
+        with self.reference.applied(self.model):
+            for idx in self._micro_batches(len(batch)):
+                outs.append(self._logprobs(batch.select(idx)).logp)
         return torch.cat(outs, 0)
 
     # ------------------------------------------------------------------ rollouts
@@ -745,6 +748,7 @@ class Trainer:
                 if cfg.eval.before:
                     ev = self.evaluate("after_sft")
                     self.console(_fmt_eval("after SFT", ev))
+            self._snapshot_reference()
             if cfg.checkpoint.every:
                 self.save()
         bar = tqdm(total=cfg.train.steps, initial=self.step, desc=f"{self.objective.name}", disable=not show,
