@@ -567,3 +567,27 @@ def test_sample_actions_past_kv_validation(tok, model):
         sample_actions(model, [seqs[0][:kv[0].length]], eos_ids=[eos], pad_id=0, max_new_tokens=4, past_kv=kv)
     with pytest.raises(ValueError, match="past_kv"):
         sample_actions(model, seqs, eos_ids=[eos], pad_id=0, max_new_tokens=4, past_kv=["nope"])
+
+
+def test_last_allowed_turn_keeps_no_keys_values_and_prompts_are_encoded_once(tok, model, monkeypatch):
+    """An episode on its last allowed turn ends after it, so its keys/values are not read
+    back; a group's members share one prompt encoding. Neither changes what is sampled."""
+    import trajgrad.rollout.sampler as sampler_mod
+
+    extracted, encoded = [], []
+    real_extract, real_prompt = sampler_mod._extract_rows, sampler_mod.prompt_ids
+    monkeypatch.setattr(sampler_mod, "_extract_rows", lambda *a: extracted.append(len(a[1])) or real_extract(*a))
+    monkeypatch.setattr(sampler_mod, "prompt_ids", lambda *a: encoded.append(1) or real_prompt(*a))
+    out = {}
+    for turns in (1, 3):
+        extracted.clear(), encoded.clear()
+        s = HFSampler(model, tok, max_new_tokens=6, temperature=1.0)
+        trajs = s.rollout(Recorder(max_turns=turns), tasks(2), group_size=3, seed=0)
+        out[turns] = (list(extracted), len(encoded), trajs)
+    # one turn: only the shared prompt prefix is read back (one row per distinct prompt)
+    assert out[1][0] == [2] and out[1][1] == 2
+    # three turns: rows are read back for the turns that follow
+    assert sum(out[3][0]) > 2 and out[3][1] == 2
+    # the first turn's tokens do not depend on whether keys/values were kept
+    first = lambda trajs: [t.turns[0].action_ids for t in trajs]  # noqa: E731
+    assert first(out[1][2]) == first(out[3][2])

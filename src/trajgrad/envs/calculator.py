@@ -44,6 +44,7 @@ seed and every call.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import random
 from dataclasses import dataclass, replace
@@ -175,11 +176,13 @@ def _random_expression(rng: random.Random, cfg: CalculatorConfig) -> str:
     return " ".join(parts)
 
 
-def _steps(expression: str) -> List[Tuple[str, int]]:
+@functools.lru_cache(maxsize=8192)
+def _steps(expression: str) -> Tuple[Tuple[str, Any], ...]:
     """Single-operation calls that compute ``expression`` in evaluation order.
 
-    Returns ``[(call_expression, value), ...]``; later calls use earlier values, e.g.
-    ``"12 + 7 * 31"`` gives ``[("7 * 31", 217), ("12 + 217", 229)]``.
+    Returns ``((call_expression, value), ...)`` (cached: every episode of a task resets
+    with the same expression); later calls use earlier values, e.g.
+    ``"12 + 7 * 31"`` gives ``(("7 * 31", 217), ("12 + 217", 229))``.
     """
     symbols = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**"}
     steps: List[Tuple[str, Any]] = []
@@ -196,7 +199,7 @@ def _steps(expression: str) -> List[Tuple[str, int]]:
         return safe_eval_arithmetic(ast.unparse(node))
 
     walk(ast.parse(expression, mode="eval").body)
-    return steps
+    return tuple(steps)
 
 
 def _intermediate_values(expression: str) -> List[Any]:

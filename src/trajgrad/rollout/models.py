@@ -159,8 +159,12 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     initializer_range: float = 0.02,
     attn_implementation: str = "sdpa",
+    kv_heads: Optional[int] = None,
 ):
     """A randomly initialized ``LlamaForCausalLM`` sized for tests (tied embeddings).
+
+    ``kv_heads`` (default: ``heads``) below ``heads`` gives grouped-query attention, as in
+    SmolLM2 (9 query heads, 3 key/value heads).
 
     The vocabulary, EOS and padding ids come from ``tokenizer``. ``seed`` fixes the
     weights without touching the global random state. ``initializer_range`` is the
@@ -174,6 +178,9 @@ def build_tiny_model(
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
     if hidden_size % heads:
         raise ValueError(f"hidden_size: must be divisible by heads ({heads}), got {hidden_size}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"kv_heads: expected a positive divisor of heads ({heads}), got {kv_heads!r}")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     config = LlamaConfig(
@@ -182,7 +189,7 @@ def build_tiny_model(
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range,
         rms_norm_eps=1e-5,

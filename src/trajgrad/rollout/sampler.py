@@ -26,6 +26,12 @@ the end-of-turn token) goes to ``env.step``; the returned messages are appended 
 observation tokens (:func:`~trajgrad.rollout.chat.observation_ids`), never re-tokenized
 together with the action.
 
+Decoding: the context of a turn runs through the model's own forward; the tokens after it
+run through :func:`~trajgrad.rollout.decode.decode_step` for Llama models (preallocated
+key/value buffers, the same function up to float rounding; ``fast_decode=False`` turns it
+off). Rows that have ended stay in the batch, ignored, until a quarter of it has ended.
+Episodes on their last allowed turn keep no keys/values.
+
 KV reuse: the keys and values an episode's context produced are kept between its turns,
 so a turn only runs the model on the tokens added since (the last action token and the
 observation); at the first turn, a prompt prefix that several episodes share (a group's
@@ -61,6 +67,7 @@ import torch
 
 from .chat import decode_action, end_of_turn_id, observation_ids, prompt_ids
 from .collate import position_ids_from_attention_mask, prefix_groups
+from .decode import KVBuffers, decode_step, fast_backbone
 from .models import cache_kwarg, output_cache
 from .trajectory import Trajectory, Turn
 
@@ -138,7 +145,8 @@ def _extract_rows(cache, rows: torch.Tensor, mask: torch.Tensor) -> Optional[Lis
     out = []
     for i in rows.tolist():
         keep = mask[i].bool()
-        out.append(RowKV([k[i][:, keep, :].clone() for k, _ in layers], [v[i][:, keep, :].clone() for _, v in layers]))
+        # boolean indexing copies: the row owns its tensors (the batch buffers are reused)
+        out.append(RowKV([k[i][:, keep, :] for k, _ in layers], [v[i][:, keep, :] for _, v in layers]))
     return out
 
 
@@ -179,13 +187,18 @@ class _Stepper:
     learner that computes its head in float32.
     """
 
-    def __init__(self, model, head_in_float32: bool):
+    def __init__(self, model, head_in_float32: bool, extra_capacity: Optional[int] = None):
         self.model = model
         self.cache_kw = cache_kwarg(model)
         self.cache = None
         self.backbone = None
+        # with extra_capacity, the cache of the first call becomes preallocated buffers and
+        # later one-token calls run the lean decode step (Llama models; decode.py)
+        self.fast = fast_backbone(model) if extra_capacity is not None else None
+        self.extra = extra_capacity
+        causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.lm_head = getattr(causal, "lm_head", None)
         if head_in_float32:
-            causal = model.get_base_model() if hasattr(model, "get_base_model") else model
             backbone = getattr(causal, "model", None)
             head = getattr(causal, "lm_head", None)
             if backbone is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
@@ -196,19 +209,29 @@ class _Stepper:
                 self.bias = None if bias is None else bias.detach().float()
 
     def __call__(self, *, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        if isinstance(cache, KVBuffers):
+            h = decode_step(self.fast, cache, input_ids[:, 0], position_ids[:, 0], attention_mask)
+            self.cache = cache
+            if self.backbone is not None:
+                return torch.nn.functional.linear(h.float(), self.weight, self.bias)
+            return self.lm_head(h).float()
         kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         if self.backbone is not None:
             if cache is not None:
                 kw[self.backbone_cache_kw] = cache
             out = self.backbone(**kw)
-            self.cache = output_cache(out)
+            self._keep(output_cache(out))
             h = out.last_hidden_state[:, -1, :].float()
             return torch.nn.functional.linear(h, self.weight, self.bias)
         if cache is not None:
             kw[self.cache_kw] = cache
         out = self.model(logits_to_keep=1, **kw)
-        self.cache = output_cache(out)
+        self._keep(output_cache(out))
         return out.logits[:, -1, :].float()
+
+    def _keep(self, cache) -> None:
+        layers = _cache_layers(cache) if self.fast is not None and self.lm_head is not None else None
+        self.cache = KVBuffers(layers, self.extra) if layers else cache
 
 
 def _model_name(model) -> str:
@@ -231,6 +254,7 @@ def sample_actions(
     head_in_float32: bool = True,
     past_kv: Optional[Sequence[Optional[RowKV]]] = None,
     return_kv: bool = False,
+    fast_decode: bool = True,
 ):
     r"""Continue each token sequence with one sampled action (KV-cached, left padded).
 
@@ -256,6 +280,11 @@ def sample_actions(
       return_kv: also return, per row, the :class:`RowKV` of its context plus its action
         without the action's last token (the next call's ``past_kv``); ``None`` where the
         model's cache cannot be read back.
+      fast_decode: after the context has run, decode with
+        :func:`~trajgrad.rollout.decode.decode_step` (preallocated key/value buffers, no
+        per-call mask or cache objects) where the model qualifies
+        (:func:`~trajgrad.rollout.decode.fast_backbone`); ``False`` calls the model's own
+        forward for every token. The same distribution up to float rounding.
 
     Returns:
       per row ``(action_ids, behaviour_logp, cut)``: ``behaviour_logp[j]`` is
@@ -305,7 +334,9 @@ def sample_actions(
     position_ids = position_ids_from_attention_mask(attention_mask)[:, -L:]
     eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
 
-    step_fn = _Stepper(model, head_in_float32)
+    if not isinstance(fast_decode, bool):
+        raise ValueError(f"fast_decode: expected a bool, got {fast_decode!r}")
+    step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None)
     logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
     past = step_fn.cache
     row_kv: List[Optional[RowKV]] = [None] * B
@@ -316,7 +347,9 @@ def sample_actions(
     logps: List[List[float]] = [[] for _ in range(B)]
     cut = [False] * B
     can_prune = hasattr(past, "batch_select_indices")
-    done_rows = torch.zeros(B, dtype=torch.bool, device=device)  # used when the cache cannot prune
+    # rows that ended stay in the batch (their tokens are ignored) until a quarter of it has
+    # ended: dropping them from the cache copies every layer, which costs more than decoding them
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
 
     for step in range(max_new_tokens):
         if t == 0.0:
@@ -330,37 +363,33 @@ def sample_actions(
             token_logp = warped.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(warped, dim=-1)
         tok_list = token.tolist()
         lp_list = token_logp.tolist()
-        rows = alive.tolist()
-        ended = torch.isin(token, eos)
+        ended = torch.isin(token, eos) & ~finished
         last = step == max_new_tokens - 1
-        for i, r in enumerate(rows):
-            if not can_prune and bool(done_rows[i]):
+        for i, (r, done, end) in enumerate(zip(alive.tolist(), finished.tolist(), ended.tolist())):
+            if done:
                 continue
             actions[r].append(tok_list[i])
             logps[r].append(lp_list[i])
-            if last and not bool(ended[i]):
+            if last and not end:
                 cut[r] = True
         if last:
             break
-        if can_prune:
-            keep = ~ended
-            if want_kv and bool(ended.any()):
-                gone = ended.nonzero().squeeze(-1)
-                for r, kv in zip(alive[gone].tolist(), _extract_rows(past, gone, attention_mask)):
-                    row_kv[r] = kv
-            if not bool(keep.any()):
-                break
-            if not bool(keep.all()):
-                idx = keep.nonzero().squeeze(-1)
-                past.batch_select_indices(idx)
-                attention_mask = attention_mask[idx]
-                token = token[idx]
-                next_pos = next_pos[idx]
-                alive = alive[idx]
-        else:
-            done_rows |= ended
-            if bool(done_rows.all()):
-                break
+        if want_kv and bool(ended.any()):  # the cache holds each of these rows' tokens before its end token
+            gone = ended.nonzero().squeeze(-1)
+            for r, kv in zip(alive[gone].tolist(), _extract_rows(past, gone, attention_mask)):
+                row_kv[r] = kv
+        finished |= ended
+        n_done = int(finished.sum())
+        if n_done == finished.numel():
+            break
+        if can_prune and n_done * 4 >= finished.numel():
+            idx = (~finished).nonzero().squeeze(-1)
+            past.batch_select_indices(idx)
+            attention_mask = attention_mask[idx]
+            token = token[idx]
+            next_pos = next_pos[idx]
+            alive = alive[idx]
+            finished = finished[idx]
         attention_mask = torch.cat(
             [attention_mask, torch.ones((attention_mask.shape[0], 1), dtype=attention_mask.dtype, device=device)], dim=1
         )
@@ -371,14 +400,13 @@ def sample_actions(
     if not return_kv:
         return results
     if want_kv:
-        if can_prune:
-            missing = [i for i, r in enumerate(alive.tolist()) if row_kv[r] is None]
-            if missing:
-                idx = torch.as_tensor(missing, dtype=torch.long, device=device)
-                for r, kv in zip(alive[idx].tolist(), _extract_rows(past, idx, attention_mask)):
-                    row_kv[r] = kv
-        else:
-            row_kv = [None] * B  # rows without pruning carry tokens past their end: not reusable
+        # rows still decoding at the end (cut at max_new_tokens): every cached token is theirs
+        # (the last sampled token is not in the cache yet); ended rows were extracted on ending
+        missing = [i for i, r in enumerate(alive.tolist()) if row_kv[r] is None]
+        if missing:
+            idx = torch.as_tensor(missing, dtype=torch.long, device=device)
+            for r, kv in zip(alive[idx].tolist(), _extract_rows(past, idx, attention_mask)):
+                row_kv[r] = kv
     return results, row_kv
 
 
@@ -401,6 +429,23 @@ class _Episode:
     success: Optional[bool] = None
     kv: Optional[RowKV] = None  # keys/values of a prefix of ``tokens`` (KV reuse across turns)
     kv_epoch: int = -1
+
+
+def _messages_key(messages) -> Optional[Tuple[Tuple[str, str], ...]]:
+    """A hashable key of a chat (role, content pairs), or None if a message has other fields."""
+    key = []
+    for m in messages:
+        if not (isinstance(m, dict) and set(m) <= {"role", "content"}
+                and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return None
+        key.append((m["role"], m["content"]))
+    return tuple(key)
+
+
+def _may_continue(ep: "_Episode") -> bool:
+    """Whether the episode can have a turn after the one being sampled."""
+    max_turns = getattr(ep.env, "max_turns", None)
+    return max_turns is None or ep.n_turns + 1 < int(max_turns)
 
 
 def _potential(env) -> float:
@@ -461,6 +506,7 @@ class HFSampler:
         max_context_tokens: Optional[int] = None,
         head_in_float32: bool = True,
         reuse_kv: bool = True,
+        fast_decode: bool = True,
     ):
         self.temperature, self.top_k, self.top_p, self.max_new_tokens = _validate_sampling(
             temperature, top_k, top_p, max_new_tokens
@@ -479,6 +525,7 @@ class HFSampler:
         self.max_context_tokens = None if max_context_tokens is None else int(max_context_tokens)
         self.head_in_float32 = bool(head_in_float32)
         self.reuse_kv = bool(reuse_kv)
+        self.fast_decode = bool(fast_decode)
         self._kv_epoch = 0  # bumped whenever cached keys/values become stale
         self.policy_version = 0
         self.set_policy_version(policy_version)
@@ -512,9 +559,11 @@ class HFSampler:
         }
 
     # -------------------------------------------------------------------- sampling
-    def _generate(self, seqs: List[List[int]], generator, past: Optional[List[Optional[RowKV]]] = None):
+    def _generate(self, seqs: List[List[int]], generator, past: Optional[List[Optional[RowKV]]] = None,
+                  keep_kv: bool = True):
         """Sample one action per row, in chunks of ``max_batch_size``; with ``past`` (KV
-        reuse) also return each row's new :class:`RowKV`."""
+        reuse) also return each row's new :class:`RowKV` (None for every row when not
+        ``keep_kv``)."""
         step = self.max_batch_size or len(seqs)
         out: List[Tuple[List[int], List[float], bool]] = []
         kvs: List[Optional[RowKV]] = []
@@ -522,12 +571,15 @@ class HFSampler:
             chunk = seqs[start:start + step]
             kw = dict(eos_ids=[self.eos_id], pad_id=self.pad_id, temperature=self.temperature, top_k=self.top_k,
                       top_p=self.top_p, max_new_tokens=self.max_new_tokens, generator=generator,
-                      head_in_float32=self.head_in_float32)
+                      head_in_float32=self.head_in_float32, fast_decode=self.fast_decode)
             if past is None:
                 out.extend(sample_actions(self.model, chunk, **kw))
                 continue
             chunk_past = self._shared_prefix(chunk, list(past[start:start + step]))
-            res, kv = sample_actions(self.model, chunk, past_kv=chunk_past, return_kv=True, **kw)
+            if keep_kv:
+                res, kv = sample_actions(self.model, chunk, past_kv=chunk_past, return_kv=True, **kw)
+            else:
+                res, kv = sample_actions(self.model, chunk, past_kv=chunk_past, **kw), [None] * len(chunk)
             out.extend(res)
             kvs.extend(kv)
         return out if past is None else (out, kvs)
@@ -621,13 +673,20 @@ class HFSampler:
         run = uuid.uuid4().hex[:10]
 
         episodes: List[_Episode] = []
+        encoded: Dict[Tuple[Tuple[str, str], ...], List[int]] = {}  # a group's members share a prompt
         for task in tasks:
             for g in range(group_size):
                 env = make_env()
                 t0 = time.perf_counter()
                 messages = list(env.reset(task))
                 reset_s = time.perf_counter() - t0
-                ids = prompt_ids(self.tokenizer, messages)
+                key = _messages_key(messages)
+                if key is None:
+                    ids = prompt_ids(self.tokenizer, messages)
+                else:
+                    if key not in encoded:
+                        encoded[key] = prompt_ids(self.tokenizer, messages)
+                    ids = list(encoded[key])
                 self._check_fits(ids, task)
                 system = [m for m in messages[:1] if m.get("role") == "system"]
                 episodes.append(
@@ -662,7 +721,9 @@ class HFSampler:
                 t0 = time.perf_counter()
                 if self.reuse_kv:
                     past = [ep.kv if ep.kv is not None and ep.kv_epoch == epoch else None for ep in active]
-                    results, kvs = self._generate([ep.tokens for ep in active], generator, past)
+                    # an episode on its last allowed turn ends after it: its keys/values are not kept
+                    keep = any(_may_continue(ep) for ep in active)
+                    results, kvs = self._generate([ep.tokens for ep in active], generator, past, keep_kv=keep)
                 else:
                     results, kvs = self._generate([ep.tokens for ep in active], generator), [None] * len(active)
                 gen_s = time.perf_counter() - t0
