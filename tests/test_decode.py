@@ -4,21 +4,11 @@ import torch
 
 from trajgrad.rollout.collate import position_ids_from_attention_mask
 from trajgrad.rollout.decode import KVBuffers, decode_step, fast_backbone
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.rollout.models import build_tiny_model
 from trajgrad.rollout.sampler import sample_actions
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _lora(model):

@@ -18,7 +18,7 @@ from trajgrad.rollout.chat import (
     observation_text,
     prompt_ids,
 )
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.rollout.models import build_tiny_model
 from trajgrad.rollout.sampler import sample_actions
 
 SYSTEM = {"role": "system", "content": "You are a test."}
@@ -87,18 +87,7 @@ def tasks(n=3):
     return [Task(id=f"t{i}", split="train", prompt="q" * (1 + 5 * i), answer=i) for i in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are dominated by thread synchronisation on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from trajgrad.envs.base import StepResult, Task
 from trajgrad.rollout import collate
 from trajgrad.rollout.chat import observation_ids, prompt_ids
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.rollout.models import build_tiny_model
 from trajgrad.rollout.openai_backend import OpenAISampler
 from trajgrad.serve import create_app
 from trajgrad.train.policy import learner_logprobs
@@ -66,17 +66,7 @@ def tasks(n=3):
     return [Task(id=f"t{i}", split="train", prompt="q" * (1 + 5 * i), answer=i) for i in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
