@@ -2,10 +2,12 @@
 against the full recompute it replaces, on the embedded default's own workload.
 
 * Sampling: ``HFSampler(reuse_kv=True)`` (each episode's keys/values kept between turns,
-  the prompt prefix shared by the batch computed once) against ``reuse_kv=False`` (the
-  whole context re-run every turn, as a sampler that calls ``generate()`` once per turn
-  does). Same model, tasks, seed; greedy decoding, so the two must produce the same tokens
-  (checked).
+  the prompt prefix shared by the batch computed once), with the model's own forward for
+  every new token (``fast_decode=False``) and with the lean decode step (``fast_decode=True``,
+  rollout/decode.py), against ``reuse_kv=False, fast_decode=False`` (the whole context
+  re-run every turn and the model's forward per token, as a sampler that calls
+  ``generate()`` once per turn does). Same model, tasks, seed; greedy decoding, so all
+  must produce the same tokens (checked).
 * Learner: ``head_inputs(share_prefix=True)`` (the common prefix of a micro-batch run once)
   against the plain pass, forward + backward of the summed log-probs of the action tokens
   of the trajectories just sampled (micro-batches of ``--micro-batch`` rows). Log-probs
@@ -63,15 +65,18 @@ def main(argv=None):
 
     # ---------------------------------------------------------------- sampling
     times, outs = {}, {}
-    for reuse in (False, True):
-        sampler = HFSampler(model, tok, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens, reuse_kv=reuse)
+    variants = {"base": (False, False), "reuse": (True, False), "fast": (True, True)}  # (reuse_kv, fast_decode)
+    for key, (reuse, fast) in variants.items():
+        sampler = HFSampler(model, tok, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens, reuse_kv=reuse,
+                            fast_decode=fast)
         t0 = time.perf_counter()
-        outs[reuse] = sampler.rollout(src, tasks, group_size=1, seed=0)
-        times[reuse] = time.perf_counter() - t0
-        print(f"sampling reuse_kv={reuse}: {times[reuse]:.1f} s", flush=True)
-    same = [[u.action_ids for u in t.turns] for t in outs[True]] == [[u.action_ids for u in t.turns] for t in outs[False]]
-    assert same, "KV reuse changed the greedy tokens"
-    trajs = outs[True]
+        outs[key] = sampler.rollout(src, tasks, group_size=1, seed=0)
+        times[key] = time.perf_counter() - t0
+        print(f"sampling reuse_kv={reuse} fast_decode={fast}: {times[key]:.1f} s", flush=True)
+    tokens = {k: [[u.action_ids for u in t.turns] for t in v] for k, v in outs.items()}
+    assert tokens["reuse"] == tokens["base"], "KV reuse changed the greedy tokens"
+    assert tokens["fast"] == tokens["base"], "the lean decode step changed the greedy tokens"
+    trajs = outs["fast"]
     n_turns = sum(len(t.turns) for t in trajs)
     n_act = sum(t.num_action_tokens for t in trajs)
 
@@ -114,8 +119,10 @@ def main(argv=None):
         "",
         "| stage | baseline | baseline (s) | trajgrad | trajgrad (s) | speed-up | check |",
         "|---|---|---:|---|---:|---:|---|",
-        f"| sampling | full context every turn | {times[False]:.1f} | KV reuse + shared prefix | {times[True]:.1f} | "
-        f"{times[False] / times[True]:.2f}x | same greedy tokens |",
+        f"| sampling | full context every turn | {times['base']:.1f} | KV reuse + shared prefix | {times['reuse']:.1f} | "
+        f"{times['base'] / times['reuse']:.2f}x | same greedy tokens |",
+        f"| sampling | full context every turn | {times['base']:.1f} | KV reuse + shared prefix + lean decode step | "
+        f"{times['fast']:.1f} | {times['base'] / times['fast']:.2f}x | same greedy tokens |",
         f"| learner fwd+bwd | plain pass | {ltimes[False]:.1f} | shared prefix once | {ltimes[True]:.1f} | "
         f"{ltimes[False] / ltimes[True]:.2f}x | log-probs within {dev:.1e} |",
         "",
