@@ -309,8 +309,9 @@ def _critic_values(tr, batch):
 def _expected_advantages(tr, batch, values_before):
     """Skip-observation GAE called directly on the collated batch with the critic's values
     after its K updates (before the policy step); a row that did not terminate bootstraps
-    from the updated value of its last action token (``values_before`` is kept for the
-    callers that record it)."""
+    from the updated value of its last action token, or, for a compacted sub-trace whose
+    next sub-trace is in the batch, of that sub-trace's first action token
+    (``values_before`` is kept for the callers that record it)."""
     obj = tr.objective
     mask = batch.action_mask
     B, L = mask.shape
@@ -328,6 +329,11 @@ def _expected_advantages(tr, batch, values_before):
     terminated = torch.zeros(B, L, dtype=torch.bool)
     terminated[torch.arange(B), last] = batch.terminated
     boot = torch.where(batch.terminated, torch.zeros(B, dtype=torch.float64), values[torch.arange(B), last])
+    # a compacted sub-trace whose next sub-trace is in the batch bootstraps from that one's first state (§19)
+    for b in range(B):
+        for n in range(B):
+            if batch.episode_ids[n] == batch.episode_ids[b] and int(batch.segments[n]) == int(batch.segments[b]) + 1:
+                boot[b] = values[n, int(mask[n].nonzero()[0])]
     out = returns.token_skip_observation_gae(values, tok_r, mask, gamma=obj.gamma, lam=obj.lam,
                                              terminated=terminated, bootstrap_value=boot)
     return out.advantages, values, tok_r, boot

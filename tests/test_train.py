@@ -257,3 +257,74 @@ def test_presets_end_episodes_that_run_out_of_turns_as_failures():
         cfg = load_config(preset=name)
         if cfg.task.name == "calculator":
             assert cfg.task.options.get("max_turns_terminates") is True, name
+
+
+# ------------------------------------------------------------------ compacted sub-traces (§19)
+def _segment(episode, seg, n_turns, *, terminated=False, compacted=False):
+    from trajgrad.rollout import Trajectory, Turn
+
+    turns = [Turn(action_ids=[20 + k, 21 + k, 2], observation_ids=[40, 41] if k < n_turns - 1 else [],
+                  behaviour_logp=[-0.5, -0.25, -0.125], reward=0.5 * k) for k in range(n_turns)]
+    return Trajectory(task_id="t", episode_id=episode, segment=seg, split="train", prompt_ids=[10, 11, 12 + seg],
+                      turns=turns, terminated=terminated, truncated=not (terminated or compacted),
+                      metadata={"compacted": compacted})
+
+
+def _compaction_batch():
+    from trajgrad.rollout import collate
+
+    trajs = [_segment("a", 1, 2, terminated=True),       # row 0: a's last sub-trace
+             _segment("b", 0, 1),                        # row 1: truncated, alone
+             _segment("a", 0, 2, compacted=True),        # row 2: continues in row 0
+             _segment("c", 1, 1, compacted=True)]        # row 3: its next sub-trace is not in the batch
+    return collate(trajs, pad_id=0)
+
+
+def test_next_segment_rows_and_bootstrap_values():
+    from trajgrad.train.trainer import bootstrap_values
+
+    batch = _compaction_batch()
+    assert batch.next_segment_rows().tolist() == [-1, -1, 0, -1]
+    mask = batch.action_mask
+    values = torch.randn(mask.shape, dtype=torch.float64)
+    values[~mask] = float("nan")  # never read off the action tokens
+    boot = bootstrap_values(values, mask, batch.terminated, batch.next_segment_rows())
+    pos = torch.arange(mask.shape[1])
+    last = [int(pos[m].max()) for m in mask]
+    first0 = int(pos[mask[0]].min())
+    assert boot[0] == 0.0                                      # terminated
+    assert boot[1] == values[1, last[1]]                       # truncated: its own last value
+    assert boot[2] == values[0, first0]                        # compacted: the next sub-trace's first state
+    assert boot[3] == values[3, last[3]]                       # next sub-trace absent: own last value
+    empty = torch.zeros((1, 4), dtype=torch.bool)
+    assert bootstrap_values(torch.ones(1, 4, dtype=torch.float64), empty, torch.tensor([False]),
+                            torch.tensor([-1])).tolist() == [0.0]
+
+
+def test_critic_bootstraps_a_compacted_sub_trace_from_the_next_one(tmp_path):
+    from trajgrad.train.trainer import bootstrap_values
+
+    torch.manual_seed(0)
+    tr = Trainer(micro_config("ppo", critic={"warmup_steps": 0}), tmp_path / "run", console=lambda *_: None)
+    batch = _compaction_batch()
+    mask = batch.action_mask
+    B, L = mask.shape
+    hidden = torch.randn(B, L, tr.value_head.net[0].in_features)
+    tok_r = torch.zeros(B, L, dtype=torch.float64)
+    tok_r[mask] = 0.3
+    adv, _ = tr._critic_phase(batch, hidden, tok_r)
+    with torch.no_grad():
+        nv = tr.value_head(hidden).double()
+    pos = torch.arange(L)[None].expand(B, L)
+    last = torch.where(mask, pos, -1).max(1).values
+    terminated = torch.zeros(B, L, dtype=torch.bool)
+    terminated[torch.arange(B), last] = batch.terminated
+    expect = tr.objective.token_advantages(nv, tok_r, mask, terminated=terminated,
+                                           bootstrap_value=bootstrap_values(nv, mask, batch.terminated,
+                                                                            batch.next_segment_rows())).advantages
+    torch.testing.assert_close(adv[mask], expect[mask], rtol=0, atol=1e-10)
+    # the compacted row's advantages depend on where it bootstraps from
+    own = bootstrap_values(nv, mask, batch.terminated, torch.full((B,), -1))
+    alt = tr.objective.token_advantages(nv, tok_r, mask, terminated=terminated, bootstrap_value=own).advantages
+    assert not torch.allclose(adv[2][mask[2]], alt[2][mask[2]])
+    torch.testing.assert_close(adv[1][mask[1]], alt[1][mask[1]], rtol=0, atol=1e-10)

@@ -172,6 +172,13 @@ class RolloutBatch:
             kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
         return RolloutBatch(**kw)
 
+    def next_segment_rows(self) -> torch.Tensor:
+        """``[B]`` long: the row holding the same episode's next sub-trace (``segment + 1``,
+        §19), or -1 where it is not in the batch (the last sub-trace, or one not collated)."""
+        where = {(e, int(s)): i for i, (e, s) in enumerate(zip(self.episode_ids, self.segments.tolist()))}
+        return torch.tensor([where.get((e, int(s) + 1), -1) for e, s in zip(self.episode_ids, self.segments.tolist())],
+                            dtype=torch.long)
+
     def select(self, index: Sequence[int]) -> "RolloutBatch":
         """Rows ``index`` (for micro-batches); the padded length is kept."""
         idx = torch.as_tensor(list(index), dtype=torch.long)

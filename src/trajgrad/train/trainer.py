@@ -505,8 +505,8 @@ class Trainer:
         terminated[rows, last[last >= 0]] = term[last >= 0]
         with torch.no_grad():
             values = self.value_head(hidden).double()
-        # truncated rows bootstrap from the critic's value of their last action token
-        boot = torch.where(term, torch.zeros(B, dtype=torch.float64), values[torch.arange(B), last.clamp_min(0)])
+        next_rows = batch.next_segment_rows()
+        boot = bootstrap_values(values, mask, term, next_rows)
         out = obj.token_advantages(values, tok_r, mask, terminated=terminated, bootstrap_value=boot)
         targets = out.returns
         K = cfg.critic.updates or obj.critic_updates
@@ -522,7 +522,7 @@ class Trainer:
         with torch.no_grad():
             new_values = self.value_head(hidden).double()
         # the advantages use the updated critic throughout, its bootstrap included
-        boot2 = torch.where(term, torch.zeros(B, dtype=torch.float64), new_values[torch.arange(B), last.clamp_min(0)])
+        boot2 = bootstrap_values(new_values, mask, term, next_rows)
         out2 = obj.token_advantages(new_values, tok_r, mask, terminated=terminated, bootstrap_value=boot2)
         ev = explained_variance(targets, values, mask)
         m = {"critic/value_loss": float(vl.loss.detach()), "critic/explained_variance": float(ev),
@@ -786,6 +786,34 @@ class Trainer:
         self.traj_log.close()
         dist_lib.barrier()
         return summary
+
+
+def bootstrap_values(values: torch.Tensor, mask: torch.Tensor, terminated: torch.Tensor,
+                     next_rows: torch.Tensor) -> torch.Tensor:
+    r"""``[B]`` :math:`V(s_T)`, the value after each row's last action token (§6, §19, §20.4).
+
+    * a terminated row: 0 (nothing follows);
+    * a compacted sub-trace whose next sub-trace is in the batch (``next_rows[b] >= 0``):
+      the critic's value at that sub-trace's first action token, i.e. of the compacted
+      information state (summary + observation) the episode continues from (§19);
+    * otherwise (truncated, or the next sub-trace not in the batch): the value at the row's
+      own last action token, the latest state the critic has seen.
+
+    ``values`` and ``mask`` are ``[B, L]`` (mask: action tokens); rows without action
+    tokens get 0.
+    """
+    B, L = mask.shape
+    pos = torch.arange(L)[None].expand(B, L)
+    has = mask.any(1)
+    last = torch.where(mask, pos, torch.full_like(pos, -1)).max(1).values.clamp_min(0)
+    first = torch.where(mask, pos, torch.full_like(pos, L)).min(1).values.clamp_max(L - 1)
+    rows = torch.arange(B)
+    own = values[rows, last]
+    nxt = next_rows.clamp_min(0)
+    follow = (next_rows >= 0) & has[nxt]
+    boot = torch.where(follow, values[nxt, first[nxt]], own)
+    zero = torch.zeros(B, dtype=values.dtype)
+    return torch.where(terminated | ~has, zero, boot)
 
 
 # live metrics on the progress bar: (metric key, label)
