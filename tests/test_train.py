@@ -328,3 +328,19 @@ def test_critic_bootstraps_a_compacted_sub_trace_from_the_next_one(tmp_path):
     alt = tr.objective.token_advantages(nv, tok_r, mask, terminated=terminated, bootstrap_value=own).advantages
     assert not torch.allclose(adv[2][mask[2]], alt[2][mask[2]])
     torch.testing.assert_close(adv[1][mask[1]], alt[1][mask[1]], rtol=0, atol=1e-10)
+
+
+def test_overriding_the_recipe_renames_the_run():
+    assert load_config(preset="tiny").name == "tiny-calculator-grpo"
+    assert load_config(preset="tiny", overrides={"recipe.name": "ppo"}).name == "tiny-calculator-ppo"
+    assert load_config(preset="tiny", overrides={"recipe.name": "ppo", "name": "mine"}).name == "mine"
+    assert load_config(preset="tiny", overrides={"recipe.name": "grpo"}).name == "tiny-calculator-grpo"
+    # in a YAML file on a preset base as well
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.yaml"
+        path.write_text("preset: tiny\nrecipe: {name: rloo}\n")
+        assert load_config(path).name == "tiny-calculator-rloo"
+        path.write_text("preset: tiny\nname: keep\nrecipe: {name: rloo}\n")
+        assert load_config(path).name == "keep"

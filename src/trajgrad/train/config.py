@@ -340,6 +340,7 @@ def load_config(
     data: Dict[str, Any] = {}
     if preset is not None or path is None:
         data = copy.deepcopy(PRESETS[preset or "default"])
+    named = False  # whether the YAML file or the overrides set the run's name
     if path is not None:
         p = Path(path)
         if not p.exists():
@@ -355,10 +356,27 @@ def load_config(
             if base not in PRESETS:
                 raise ValueError(f"preset: unknown {base!r}; known: {', '.join(PRESETS)}")
             data = _deep_update(copy.deepcopy(PRESETS[base]), data)
+        named = "name" in loaded
+        recipe_before = (data.get("recipe") or {}).get("name")
         data = _deep_update(data, loaded)
+        if not named:
+            data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
+    # a preset's name ends with its recipe ("tiny-calculator-grpo"); changing the recipe
+    # (`--set recipe.name=ppo`, or in the YAML file) renames the run unless a name was given
+    recipe_before = (data.get("recipe") or {}).get("name")
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
+    if not named and "name" not in (overrides or {}):
+        data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     return build_config(data)
+
+
+def _renamed(name, recipe_before, recipe_after):
+    """``name`` with its ``-<recipe>`` suffix following a recipe change (preset names end with it)."""
+    if (isinstance(name, str) and isinstance(recipe_before, str) and isinstance(recipe_after, str)
+            and recipe_after != recipe_before and name.endswith(f"-{recipe_before}")):
+        return name[: -len(recipe_before)] + recipe_after
+    return name
 
 
 def register_preset(name: str, data: Dict[str, Any]) -> None:
