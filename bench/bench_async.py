@@ -203,7 +203,13 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
     bar.close()
     g_after = g.evaluate("after")
 
-    plot_compare({"SAO (sao-tiny: async, 2 Ray workers)": root / "sao", "GRPO (tiny: in-process, G=4)": root / "grpo"},
+    from trajgrad.objective import get_recipe
+
+    G = g_cfg.train.group_size or get_recipe(g_cfg.recipe.name).group_size
+    grpo_batch = f"{g_cfg.train.prompts_per_step} prompts x G = {G}"
+    sao_batch = f"{s_cfg.asynchronous.batch_trajectories} trajectories"
+    plot_compare({f"SAO (sao-tiny: async, {s_cfg.asynchronous.workers} Ray workers)": root / "sao",
+                  f"GRPO (tiny: in-process, {grpo_batch})": root / "grpo"},
                  "reward/mean", out_png, x="wall_time", smoothing=0.6,
                  title=f"training reward at equal wall-clock ({sao_wall:.0f} s each, same SFT start)")
 
@@ -218,7 +224,9 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
     gs["trajectories"] = int(sum(1 for _ in open(root / "grpo" / "trajectories.jsonl")))
     ss = summary(_rows(root / "sao"))
     ss["trajectories"] = s_sum["trajectories_trained"]
-    return {"sft_seconds": t_sft, "sft_steps": sft_cfg.sft.steps, "wall": sao_wall, "grpo": {**gs, "heldout": g_after.__dict__},
+    return {"sft_seconds": t_sft, "sft_steps": sft_cfg.sft.steps, "wall": sao_wall, "grpo_batch": grpo_batch,
+            "sao_batch": sao_batch, "sao_workers": s_cfg.asynchronous.workers, "sao_max_lag": s_cfg.asynchronous.max_lag,
+            "grpo": {**gs, "heldout": g_after.__dict__},
             "sao": {**ss, "heldout": s_sum.get("eval_after", {})}}
 
 
@@ -306,9 +314,8 @@ def write_report(path, args, rows, curves, loads, cmd):
             f"{curves['sft_seconds']:.0f} s), "
             f"then train for the same wall-clock, {curves['wall']:.0f} s each on the metrics clock (SAO: "
             f"{args.curve_seconds:.0f} s of training loop plus Ray start-up and actor boot), no environment latency: "
-            "`tiny` (GRPO, "
-            "in-process sampler, 16 prompts x G = 4 per update) and `sao-tiny` (SAO, 2 Ray workers, 16 trajectories per "
-            "update, max lag 2). Curve: "
+            f"`tiny` (GRPO, in-process sampler, {curves['grpo_batch']} per update) and `sao-tiny` (SAO, "
+            f"{curves['sao_workers']} Ray workers, {curves['sao_batch']} per update, max lag {curves['sao_max_lag']}). Curve: "
             "[sao_vs_grpo.png](sao_vs_grpo.png) (training reward/mean vs wall-clock, EMA 0.6).",
             "",
             "| run | updates | trajectories trained | reward (first 5 updates) | reward (last 5 updates) | held-out success after |",

@@ -1,6 +1,6 @@
 """Building the policy (embedded SmolLM2 or a tiny random model), LoRA, and the reference.
 
-The reference policy pi_ref of a KL term (§7, §8) is the policy as it stands when RL starts,
+The reference policy pi_ref of a KL term (§9) is the policy as it stands when RL starts,
 that is after the SFT warm start when there is one. :class:`ReferenceWeights` keeps a frozen
 copy of the policy's trainable parameters at that moment (with LoRA: only the adapters; the
 frozen base weights are shared) and swaps it in while the reference log-probs are computed.
@@ -41,7 +41,7 @@ def build_policy_model(cfg: ModelConfig) -> Tuple[torch.nn.Module, object]:
 
 
 class ReferenceWeights(torch.nn.Module):
-    """pi_ref: a frozen snapshot of ``model``'s trainable parameters (§7, §8).
+    """pi_ref: a frozen snapshot of ``model``'s trainable parameters (the KL reference, §9).
 
     ``ReferenceWeights(model)`` copies every parameter with ``requires_grad`` (all weights
     of a fully fine-tuned model; only the adapters of a LoRA model). ``with ref.applied(model):``
