@@ -720,8 +720,8 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.optim.grad_clip or 1e9)
         self.optimizer.step()
         self.policy_version += 1
-        out = {"loss": float(res.loss)}
-        out.update({k: float(v) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
+        out = {"loss": float(res.loss.detach())}
+        out.update({k: float(v.detach()) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
         return out
 
     # ------------------------------------------------------------------ the run
