@@ -73,8 +73,10 @@ def explain(
 
 @app.command()
 def verify(
-    target: str = typer.Argument(..., help="The loss to check: package.module:function or path/file.py:function."),
-    as_: str = typer.Option("grpo", "--as", help="Recipe whose reference loss to compare with."),
+    target: Optional[str] = typer.Argument(None, help="The loss to check: package.module:function or path/file.py:function."),
+    as_: Optional[str] = typer.Option(None, "--as", help="Recipe whose reference loss to compare with (default grpo)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Check a peer library's own functions: trl or verl."),
+    out: Path = typer.Option(Path("conformance"), "--out", help="With --peer: folder for the Markdown and HTML report."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a reference recipe field: key=value."),
     seed: int = typer.Option(0, help="Random seed of the test batches."),
     include_kl: bool = typer.Option(False, "--include-kl", help="Compare with the recipe's KL term too (ref_logp= passed)."),
@@ -82,7 +84,13 @@ def verify(
     """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad (--as logprobs: a log-prob function)."""
     from .verify import load_callable, verify as verify_fn
 
+    if peer is not None:
+        _verify_peer(peer, as_, out, seed)
+        return
+    as_ = as_ or "grpo"
     try:
+        if target is None:
+            raise ValueError("target: give MODULE:FUNCTION to check, or --peer trl|verl")
         fn = load_callable(target)
         report = verify_fn(fn, as_, seed=seed, include_kl=include_kl, **_parse_sets(set_))
     except ValueError as exc:
@@ -91,6 +99,31 @@ def verify(
     typer.echo(f"verify {target} against recipe '{as_}' (float64)\n")
     typer.echo(report.table())
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _verify_peer(peer: str, recipe: Optional[str], out: Path, seed: int) -> None:
+    import importlib
+
+    from .peers import conformance, report
+
+    try:
+        module = importlib.import_module(f".peers.{peer}", __package__) if peer in ("trl", "verl") else None
+        if module is None:
+            raise ValueError(f"--peer: must be trl or verl, got {peer!r}")
+        try:
+            version = importlib.import_module(peer).__version__
+        except ImportError as exc:
+            raise ValueError(f"--peer: {peer} is not installed ({exc}); install the pinned peers: "
+                             f"pip install \"trajgrad[peers]\" (see the README)") from exc
+        results = conformance(peer, recipe=recipe, seed=seed)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"verify --peer {peer} ({peer} {version}; pinned {module.PINNED}) against trajgrad (float64)\n")
+    typer.echo(report.table(results))
+    for path in report.write(peer, version, results, out):
+        typer.echo(f"wrote {path}")
+    raise typer.Exit(0 if all(r.status.startswith("agrees") for r in results) else 1)
 
 
 @app.command()

@@ -17,7 +17,7 @@ r"""Check any loss implementation against trajgrad's reference for a recipe (spe
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ..objective import Objective, get_recipe
 from ._common import Check, VerifyReport
@@ -36,6 +36,7 @@ def verify(
     atol: float = 1e-8,
     rtol: float = 1e-6,
     include_kl: bool = False,
+    reference_fn: Optional[Callable] = None,
     **recipe_overrides: Any,
 ) -> VerifyReport:
     """Run the §24 battery and a randomized comparison of ``loss_fn`` against a recipe.
@@ -47,6 +48,8 @@ def verify(
       shapes: ``(B, L)`` shapes to test; each gets a fresh random batch with ragged masks.
       atol, rtol: tolerance of the comparisons (float64).
       include_kl: compare with the recipe's policy term *plus* its KL term (``ref_logp=`` passed).
+      reference_fn: policy recipes only: a callable with ``loss_fn``'s signature used as the
+        reference instead of the recipe's loss (for trajgrad called with extra arguments).
       recipe_overrides: fields of the reference recipe to change so that it matches the
         implementation's settings (e.g. ``eps_low=0.1``).
     Returns:
@@ -64,7 +67,8 @@ def verify(
         return verify_pairwise(loss_fn, recipe, seed=seed, atol=atol, rtol=rtol)
     if recipe.kind == "distill":
         return verify_distill(loss_fn, recipe, seed=seed, atol=atol, rtol=rtol)
-    return verify_policy(loss_fn, recipe, shapes=shapes, seed=seed, atol=atol, rtol=rtol, include_kl=include_kl)
+    return verify_policy(loss_fn, recipe, shapes=shapes, seed=seed, atol=atol, rtol=rtol, include_kl=include_kl,
+                         reference_fn=reference_fn)
 
 
 def load_callable(spec: str) -> Callable:

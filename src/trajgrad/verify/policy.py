@@ -14,6 +14,8 @@ observation span, right padding):
 ``padding``         extra all-padding rows and columns (and a row permutation) change nothing
 ``zero_advantage``  all-zero advantages give zero gradient (a uniform group, §24); with the KL
                     term included, only the KL term's gradient
+``off_policy``      far off-policy batches (log-ratio std 1.5: ratios from ~0.01 to ~100), where
+                    dual clips, trust-interval bounds and clamps act
 ``long_sequence``   4,096-token responses whose log-ratios sum past float64's exp range: loss
                     and gradient stay finite and equal to the reference (a sequence weight
                     formed as exp(Σ) overflows)
@@ -27,7 +29,7 @@ observation span, right padding):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +45,7 @@ NOTES = {
     "masked_grad": "gradient exactly 0 at masked positions",
     "padding": "extra padding rows/cols + row permutation",
     "zero_advantage": "all-zero advantages give zero gradient",
+    "off_policy": "far off-policy batch (log-ratio std 1.5)",
     "long_sequence": "4,096-token responses, log-ratio sums beyond exp's range",
     "micro_batches": "sum of micro-batch losses with a global denominator",
     "ranks_average": "mean over 2 unequal ranks of per-rank losses (no denominator=: normalized per rank)",
@@ -95,14 +98,22 @@ def verify_policy(
     atol: float = 1e-8,
     rtol: float = 1e-6,
     include_kl: bool = False,
+    reference_fn: Optional[Callable] = None,
 ) -> VerifyReport:
-    """The battery above; the reference is the recipe's policy term (plus its KL term with ``include_kl``)."""
+    """The battery above; the reference is the recipe's policy term (plus its KL term with ``include_kl``).
+
+    ``reference_fn`` (same signature as ``loss_fn``) replaces the recipe's loss as the reference:
+    for comparing with trajgrad called with extra arguments (a peer's denominator convention).
+    """
     ref_recipe = recipe if include_kl else recipe.replace(kl_coef=0.0, kl_placement="none")
     ref_recipe = ref_recipe.replace(entropy_coef=0.0)
     if include_kl and recipe.kl_placement != "loss":
         raise ValueError(f"include_kl: recipe {recipe.name!r} has no KL term in the loss (kl_placement={recipe.kl_placement!r})")
 
     def ref_fn(logp, old_logp, advantages, mask, denominator=None, ref_logp=None):
+        if reference_fn is not None:
+            kw = {} if denominator is None else {"denominator": denominator}
+            return reference_fn(logp, old_logp, advantages, mask, **kw, **({} if ref_logp is None else {"ref_logp": ref_logp}))
         return ref_recipe.policy_loss(logp, advantages, mask, old_logp=old_logp, behaviour_logp=old_logp,
                                       ref_logp=ref_logp, denominator=denominator)
 
@@ -110,7 +121,7 @@ def verify_policy(
     has_den = _accepts(loss_fn, "denominator")
     dist_check = "micro_batches" if has_den else "ranks_average"
     names = ["value", "gradient", "ratio_one", "masked_nan", "masked_grad", "padding", "zero_advantage",
-             "long_sequence", dist_check]
+             "off_policy", "long_sequence", dist_check]
     dev: Dict[str, float] = {k: 0.0 for k in names}
     ok: Dict[str, bool] = {k: True for k in names}
     errors: Dict[str, str] = {}
@@ -175,6 +186,12 @@ def verify_policy(
                 total = sum(o[0] for o in outs) * scale
                 grads = torch.cat([o[1] for o in outs], 0) * scale
                 record(dist_check, max(_maxdev(total, v), _maxdev(grads, g)), tol(g) + tol(v))
+    far = _batch(gen, 6, 40, recipe, include_kl)
+    far["old_logp"] = far["logp"] + 1.5 * torch.randn(far["logp"].shape, generator=gen, dtype=F64)
+    got = attempt("off_policy", lambda: _call(loss_fn, far))
+    if got is not None:
+        rvf, rgf = _call(ref_fn, far)
+        record("off_policy", max(_maxdev(got[0], rvf), _maxdev(got[1], rgf)), tol(rgf) + tol(rvf))
     long = _long_batch(gen, recipe, include_kl)
     got = attempt("long_sequence", lambda: _call(loss_fn, long))
     if got is not None:
