@@ -339,34 +339,29 @@ def build_config(data: Dict[str, Any]) -> Config:
     return cfg
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that refuses a mapping with a key given twice."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    loader.flatten_mapping(node)
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}", key_node.start_mark) from None
-        if duplicate:
-            line = key_node.start_mark.line + 1
-            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {line})",
-                                                    key_node.start_mark)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+def _check_unique_keys(node, path: str, what: str) -> None:
+    """Refuse a YAML mapping that gives a key twice (``yaml.safe_load`` keeps the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{path}.{key}" if path else str(key)
+            if key is not None:
+                if key in seen:
+                    raise ValueError(f"{dotted}: given twice in {what} (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            _check_unique_keys(value_node, dotted, what)
+    elif isinstance(node, yaml.SequenceNode):
+        for k, item in enumerate(node.value):
+            _check_unique_keys(item, f"{path}.{k}" if path else str(k), what)
 
 
 def parse_yaml(text: str, *, what: str) -> Any:
-    """YAML ``text`` (safe types only; a key given twice is an error) or ValueError naming ``what``."""
+    """YAML ``text`` (safe types only) or ValueError naming ``what``; a key given twice is refused,
+    naming its dotted path."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), "", what)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -226,7 +226,7 @@ def _check_task(cfg, errors: _Errors) -> None:
     for split, n, key in need:
         cap = _calculator_capacity(source, split)
         if cap is not None and n > cap:
-            errors.add(key, f"asks for {n} {split} tasks; task {name!r} with these options has at most {cap}")
+            errors.add(key, f"asks for {n} {split.replace('heldout', 'held-out')} tasks; task {name!r} with these options has at most {cap}")
     lat = cfg.asynchronous.env_latency
     if lat is not None:
         from ..envs.latency import with_latency
@@ -234,8 +234,9 @@ def _check_task(cfg, errors: _Errors) -> None:
         try:
             with_latency(source, lat)
         except ValueError as exc:
-            field, rest = _split_field_message(exc, ("mu", "sigma", "seed"))
-            errors.add(f"asynchronous.env_latency.{field}" if field else "asynchronous.env_latency", _one_line(rest))
+            field, rest = _split_field_message(exc, ("mu", "sigma", "seed", "spec"))
+            key = "asynchronous.env_latency" + (f".{field}" if field not in (None, "spec") else "")
+            errors.add(key, _one_line(rest))
 
 
 def check_config(cfg) -> None:
