@@ -32,7 +32,7 @@ _LOSS_FIELDS = {
     "tau_pos": ("sapo",), "tau_neg": ("sapo",), "ratio_gradient": ("sao",), "beta": ("dpo",),
 }
 _CRITIC_FIELDS = ("critic_updates", "value_clip", "vf_coef", "lam")
-_ENUMERATE_LIMIT = 200_000  # calculator expression spaces up to this size are counted exactly
+_ENUMERATE_LIMIT = 50_000  # calculator expression spaces up to this size are counted exactly
 
 
 class _Errors:
@@ -152,7 +152,9 @@ def _option_fields(source) -> Dict[str, Any]:
 
 
 def _calculator_capacity(source, split: str) -> Optional[int]:
-    """Distinct tasks of ``split`` the calculator source can generate (None: not known)."""
+    """Distinct tasks of ``split`` the calculator source can generate: the exact count when the
+    expression space is small enough to enumerate, else minus the expected count; None when
+    the source is not the calculator."""
     try:
         from ..envs import calculator as calc
     except ImportError:  # pragma: no cover
@@ -166,7 +168,7 @@ def _calculator_capacity(source, split: str) -> Optional[int]:
     split_of = getattr(calc, "_split_of", None)
     if total > _ENUMERATE_LIMIT or split_of is None:
         share = c.heldout_fraction if split == "heldout" else 1.0 - c.heldout_fraction
-        return max(1, int(total * share))  # the expected count: asking for more cannot work
+        return -max(1, int(total * share))  # negative: the expected count (not enumerated)
     excluded = {e[0] for e in (getattr(calc, "_EXAMPLE_MULTI", None), getattr(calc, "_EXAMPLE_SINGLE", None)) if e}
     operands = [str(v) for v in range(c.min_operand, c.max_operand + 1)]
     count = 0
@@ -225,8 +227,10 @@ def _check_task(cfg, errors: _Errors) -> None:
             ("heldout", cfg.eval.n or cfg.task.n_heldout, "eval.n" if cfg.eval.n else "task.n_heldout"))
     for split, n, key in need:
         cap = _calculator_capacity(source, split)
-        if cap is not None and n > cap:
-            errors.add(key, f"asks for {n} {split.replace('heldout', 'held-out')} tasks; task {name!r} with these options has at most {cap}")
+        if cap is not None and n > abs(cap):
+            many = f"about {-cap}" if cap < 0 else f"{cap}"
+            errors.add(key, f"asks for {n} {split.replace('heldout', 'held-out')} tasks; task {name!r} with these "
+                       f"options has {many} distinct ones")
     lat = cfg.asynchronous.env_latency
     if lat is not None:
         from ..envs.latency import with_latency

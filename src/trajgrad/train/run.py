@@ -9,8 +9,12 @@ from typing import Any, Dict, Optional
 from .config import Config, load_config
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _console(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 prints
+    if _rank() != 0:  # under torchrun only rank 0 prints
         return
     try:
         from rich.console import Console
@@ -58,16 +62,18 @@ def main(
             raise ValueError("checkpoint: --checkpoint only applies with --resume")
         cfg = load_config(config, preset=preset, overrides=overrides)
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        check_new_run_dir(out_dir, overwrite=overwrite)
+        if _rank() == 0:  # under torchrun rank 0 owns the run directory
+            check_new_run_dir(out_dir, overwrite=overwrite)
     objective_text = explain(cfg.objective())
     from .trainer import Trainer
 
     # every check passed: from here on the run directory is written
     new_dir = None
-    if plan is not None:
-        commit_resume(plan)
-    else:
-        new_dir = create_run_dir(out_dir, cfg, overwrite=overwrite)
+    if _rank() == 0:
+        if plan is not None:
+            commit_resume(plan)
+        else:
+            new_dir = create_run_dir(out_dir, cfg, overwrite=overwrite)
     _console(f"run directory: {out_dir}")
     for note in plan.notes if plan is not None else ():
         _console(note)

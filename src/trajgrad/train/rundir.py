@@ -35,7 +35,7 @@ from .checkpoint import list_checkpoints, newest_intact_checkpoint, verify_check
 
 __all__ = [
     "RUN_FILE", "ResumePlan", "config_fingerprint", "config_diff", "check_new_run_dir",
-    "create_run_dir", "check_resume", "commit_resume",
+    "create_run_dir", "check_resume", "check_resume_state", "commit_resume",
 ]
 
 RUN_FILE = "run.json"
@@ -105,11 +105,20 @@ def check_new_run_dir(path, *, overwrite: bool = False) -> Path:
     return path
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
+def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    F._write_bytes(tmp, json.dumps(data, indent=2, sort_keys=True).encode())
+    F._write_bytes(tmp, text.encode())
     F._replace(tmp, path)
     F._fsync_dir(path.parent)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    _write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
+
+
+def _config_text(cfg) -> str:
+    """``config.json`` exactly as the trainer writes it."""
+    return json.dumps(cfg.model_dump(), indent=2, default=str)
 
 
 def _run_record(cfg, history: Optional[list] = None) -> Dict[str, Any]:
@@ -150,7 +159,7 @@ def create_run_dir(path, cfg, *, overwrite: bool = False) -> NewRunDir:
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     _write_json_atomic(path / RUN_FILE, _run_record(cfg))
-    (path / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, default=str))
+    _write_atomic(path / "config.json", _config_text(cfg))
     return NewRunDir(path, created, trash)
 
 
@@ -299,6 +308,49 @@ def _check_log(path: Path, keep: int, what: str) -> int:
     return count
 
 
+@dataclass
+class ResumeState:
+    """The checkpoint a resume continues from, checked with the logs it cuts (see
+    :func:`check_resume_state`)."""
+
+    checkpoint: Path
+    step: int
+    repoint: bool
+    notes: List[str]
+
+
+def check_resume_state(run_dir, *, checkpoint=None, world_size: Optional[int] = None) -> ResumeState:
+    """Check the checkpoint and the logs of ``run_dir`` for a resume; read-only.
+
+    The checkpoint (``checkpoint``, a ``step-NNNNNN`` name, or the one ``latest`` names, or
+    the newest complete one when ``latest`` is missing) must pass its SHA-256 check, hold the
+    trainer's state, have been saved by ``world_size`` processes, and every log line it keeps
+    (``metrics.jsonl``, the trajectory logs) must be present and a JSON record. Call it before
+    anything truncates a log: :class:`~trajgrad.train.trainer.Trainer` cuts them right after
+    loading the checkpoint. Raises ValueError, one line naming the file, otherwise.
+    """
+    run_dir = Path(run_dir)
+    path, manifest, repoint, notes = _pick_checkpoint(run_dir, checkpoint)
+    try:
+        extra = json.loads((path / "extra.json").read_text())
+        step = int(extra["step"])
+        metrics_offset = int(extra["metrics_offset"])
+        offsets = [int(o) for o in (extra.get("trajectory_offsets") or [extra["trajectory_offset"]])]
+        saved_world = int(extra.get("world_size", 1))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"checkpoint: {path / 'extra.json'} lacks the trainer's state ({exc})") from None
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
+    if saved_world != world:
+        raise ValueError(f"resume: the run used {saved_world} process(es); resume it with the same number, not {world}")
+    _check_log(run_dir / "metrics.jsonl", metrics_offset, "metrics records")
+    for rank, keep in enumerate(offsets):
+        name = "trajectories.jsonl" if saved_world == 1 else f"trajectories.rank{rank}.jsonl"
+        total = _check_log(run_dir / name, keep, "trajectories")
+        if total > keep:
+            notes.append(f"{name}: {total - keep} trajectories written after step {step} are dropped and sampled again")
+    return ResumeState(checkpoint=path, step=step, repoint=repoint, notes=notes)
+
+
 def check_resume(run_dir, *, config=None, preset=None, overrides=None, allow_config_change: bool = False,
                  checkpoint=None, world_size: Optional[int] = None) -> ResumePlan:
     """Check everything a resume of ``run_dir`` needs; read-only (see the module docstring).
@@ -330,28 +382,12 @@ def check_resume(run_dir, *, config=None, preset=None, overrides=None, allow_con
         shown = "; ".join(changes[:8]) + (f"; ... ({len(changes)} keys)" if len(changes) > 8 else "")
         raise ValueError(f"resume: the config differs from the run's ({shown}); resume with the run's own config "
                          "(no CONFIG, --preset or --set, and config.json as it was), or pass --allow-config-change")
-    path, manifest, repoint, notes = _pick_checkpoint(run_dir, checkpoint)
-    try:
-        extra = json.loads((path / "extra.json").read_text())
-        step = int(extra["step"])
-        metrics_offset = int(extra["metrics_offset"])
-        offsets = [int(o) for o in (extra.get("trajectory_offsets") or [extra["trajectory_offset"]])]
-        saved_world = int(extra.get("world_size", 1))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"checkpoint: {path / 'extra.json'} lacks the trainer's state ({exc})") from None
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
-    if saved_world != world:
-        raise ValueError(f"resume: the run used {saved_world} process(es); resume it with the same number, not {world}")
-    _check_log(run_dir / "metrics.jsonl", metrics_offset, "metrics records")
-    for rank, keep in enumerate(offsets):
-        name = "trajectories.jsonl" if saved_world == 1 else f"trajectories.rank{rank}.jsonl"
-        total = _check_log(run_dir / name, keep, "trajectories")
-        if total > keep:
-            notes.append(f"{name}: {total - keep} trajectories written after step {step} are dropped and sampled again")
+    state = check_resume_state(run_dir, checkpoint=checkpoint, world_size=world_size)
+    notes = list(state.notes)
     if changes:
         notes.append("continuing with a changed config: " + "; ".join(changes))
-    return ResumePlan(run_dir=run_dir, cfg=cfg, checkpoint=path, step=step, repoint=repoint, changes=changes,
-                      notes=notes, record=record)
+    return ResumePlan(run_dir=run_dir, cfg=cfg, checkpoint=state.checkpoint, step=state.step, repoint=state.repoint,
+                      changes=changes, notes=notes, record=record)
 
 
 def commit_resume(plan: ResumePlan) -> None:
@@ -363,4 +399,4 @@ def commit_resume(plan: ResumePlan) -> None:
         history = list(plan.record.get("history", []))
         history.append({"time": time.time(), "event": "resumed", "step": plan.step, "changed": plan.changes})
         _write_json_atomic(plan.run_dir / RUN_FILE, _run_record(plan.cfg, history))
-        (plan.run_dir / "config.json").write_text(json.dumps(plan.cfg.model_dump(), indent=2, default=str))
+        _write_atomic(plan.run_dir / "config.json", _config_text(plan.cfg))
