@@ -78,6 +78,9 @@ CASES = [
     ("top-k-greedy", T + S("sampling.temperature=0", "sampling.top_k=5"), {}, "sampling.top_k"),
     ("sft-lr-without-sft", T + S("sft.steps=0", "sft.lr=0.1"), {}, "sft.lr"),
     ("tries-without-dynamic", T + S("train.dynamic_sampling_max_tries=5"), {}, "train.dynamic_sampling_max_tries"),
+    ("eval-without-evaluation", T + S("eval.after=false", "eval.before=false", "eval.n=10"), {}, "eval.n"),
+    ("keep-without-checkpoints", T + S("checkpoint.every=0", "checkpoint.keep=5"), {}, "checkpoint.keep"),
+    ("override-dict-eps-low", T + S("recipe.overrides={eps_low: 5}"), {}, "recipe.overrides.eps_low"),
     ("tiny-fields-smollm2", S("model.tiny.layers=3"), {}, "model.tiny.layers"),
     # models, task options and task size: named by the section they belong to
     ("tiny-heads", T + S("model.tiny.heads=5"), {}, "model.tiny.hidden_size"),
@@ -164,7 +167,8 @@ def test_at_least_56_cases():
     assert len({c[0] for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("argv", [["--preset", "tiny", "--set", "train.steps=[1"], ["{d}"]])
+@pytest.mark.parametrize("argv", [["--preset", "tiny", "--set", "train.steps=[1"], ["{d}"],
+                                  ["--preset", "tiny", "--set", "eval.n=100000"]])
 def test_real_process_prints_one_line_without_traceback(tmp_path, argv):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "trajgrad", "train", *[a.replace("{d}", str(tmp_path)) for a in argv]],

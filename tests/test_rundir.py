@@ -351,3 +351,37 @@ def test_config_diff_names_dotted_keys():
     assert config_diff(a, b) == ["task.options.few_shot: (absent) -> False", "train.steps: 3 -> 4"]
     assert config_diff(a, a) == []
     assert config_fingerprint(a) != config_fingerprint(b)
+
+
+class _Boom(Exception):
+    pass
+
+
+def _failing_trainer(monkeypatch):
+    import trajgrad.train.trainer as trainer_mod
+
+    def boom(*args, **kwargs):
+        raise _Boom("the trainer could not start")
+
+    monkeypatch.setattr(trainer_mod, "Trainer", boom)
+
+
+def test_a_start_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    from trajgrad.train.run import main
+
+    _failing_trainer(monkeypatch)
+    with pytest.raises(_Boom):
+        main(preset="tiny", run_dir=tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_overwrite_that_fails_to_start_puts_the_old_run_back(env, killed, monkeypatch):
+    from trajgrad.train.run import main
+
+    run = _copy(env, killed, "overwrite-fails")
+    before = _files(run)
+    _failing_trainer(monkeypatch)
+    with pytest.raises(_Boom):
+        main(config=env["cfg"], run_dir=run, overwrite=True)
+    assert _files(run) == before
+    assert not list(run.parent.glob(f".{run.name}.overwritten-*"))

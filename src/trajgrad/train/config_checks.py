@@ -297,6 +297,10 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("sampling.top_p", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
         ("sft.", cfg.sft.steps == 0 and not (obj.loss == "opd" and cfg.teacher.name == "sft"),
          "has no effect when sft.steps is 0", ("sft.steps",)),
+        ("eval.", not (cfg.eval.before or cfg.eval.after or cfg.eval.every),
+         "has no effect: eval.before, eval.after and eval.every turn every evaluation off",
+         ("eval.before", "eval.after", "eval.every")),
+        ("checkpoint.keep", cfg.checkpoint.every == 0, "has no effect when checkpoint.every is 0 (no checkpoints)", ()),
         ("train.dynamic_sampling_max_tries", not obj.dynamic_sampling,
          f"has no effect: recipe {obj.name!r} has no dynamic sampling", ()),
     ]
