@@ -77,13 +77,14 @@ def verify(
     as_: str = typer.Option("grpo", "--as", help="Recipe whose reference loss to compare with."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a reference recipe field: key=value."),
     seed: int = typer.Option(0, help="Random seed of the test batches."),
+    include_kl: bool = typer.Option(False, "--include-kl", help="Compare with the recipe's KL term too (ref_logp= passed)."),
 ) -> None:
-    """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad."""
+    """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad (--as logprobs: a log-prob function)."""
     from .verify import load_callable, verify as verify_fn
 
     try:
         fn = load_callable(target)
-        report = verify_fn(fn, as_, seed=seed, **_parse_sets(set_))
+        report = verify_fn(fn, as_, seed=seed, include_kl=include_kl, **_parse_sets(set_))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
