@@ -324,3 +324,27 @@ def test_kl_bias_correction_on_policy_without_old_logp():
     assert ours.loss.item() == pytest.approx(theirs.item(), abs=1e-12)
     (ga,), (gb,) = torch.autograd.grad(ours.loss, a), torch.autograd.grad(theirs, b)
     assert torch.allclose(ga, gb, atol=1e-13)
+
+
+def test_verify_passes_trajgrad_own_losses_against_the_new_recipes():
+    import functools
+
+    from trajgrad.aggregate import aggregate
+    from trajgrad.verify import verify
+
+    for name in ("verl-grpo", "verl-ppo", "trl-grpo", "trl-dapo", "reinforce_pp", "reinforce_pp_baseline", "maxrl",
+                 "gdpo"):
+        o = RECIPES[name]
+        fn = functools.partial(losses.ppo_clip_loss, eps_low=o.eps_low, eps_high=o.eps_high_, dual_clip=o.dual_clip,
+                               aggregation=o.aggregation)
+        rep = verify(fn, name)
+        assert rep.passed, (name, rep.table())
+
+    # with its KL term: PPO + 0.001 · token-mean(k3 clamped to ±10); a k2 KL in its place is caught
+    def with_kl(kind, logp, old_logp, advantages, mask, denominator=None, ref_logp=None):
+        res = losses.ppo_clip_loss(logp, old_logp, advantages, mask, dual_clip=3.0, denominator=denominator)
+        k = losses.kl_estimate(logp, ref_logp, mask, kind=kind, clamp=10.0)
+        return res.loss + 0.001 * aggregate(k, mask, "token_mean", denominator=denominator)
+
+    assert verify(functools.partial(with_kl, "k3"), "verl-grpo", include_kl=True).passed
+    assert not verify(functools.partial(with_kl, "k2"), "verl-grpo", include_kl=True).passed
