@@ -13,8 +13,7 @@ import torch
 
 from trajgrad import advantages as adv_mod
 from trajgrad import losses
-from trajgrad.baselines import group_advantages, whiten
-from trajgrad.objective import RECIPES, Objective, explain, explain_diff, get_recipe
+from trajgrad.objective import RECIPES, explain, explain_diff, get_recipe
 
 F64 = torch.float64
 B, L = 6, 9

@@ -73,8 +73,11 @@ class Objective:
       advantage: advantage estimator, a key of :data:`trajgrad.registry.ADVANTAGE_ESTIMATORS`:
         ``return`` (raw return, §2), ``group_std`` (GRPO, §11), ``group_center`` (Dr. GRPO,
         §12), ``batch_std`` (centred per group, scaled by the batch std), ``leave_one_out``
-        (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4), ``none``
-        (the loss needs no advantage: OPD, DPO).
+        (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4),
+        ``reinforce_pp`` / ``reinforce_pp_baseline`` (REINFORCE++: batch normalization, without
+        or after the group mean), ``maxrl`` ((R − mean)/mean), ``gdpo`` (per-component group
+        normalization, summed, batch normalized; ``trajgrad.advantages``), ``none`` (the loss
+        needs no advantage: OPD, DPO).
       aggregation: one of :data:`trajgrad.aggregate.MODES` (§13).
       constant: Dr. GRPO's constant normalizer (``seq_sum_constant``); ``None`` = the padded
         generation length.
