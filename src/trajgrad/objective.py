@@ -317,17 +317,24 @@ class Objective:
             raise ValueError(f"advantage: token_advantages needs a token-level estimator, recipe uses {self.advantage!r}")
         return self.estimator.call(self, values, rewards, mask, terminated, bootstrap_value)
 
+    def kl_per_token(self, logp, ref_logp, mask, *, old_logp=None) -> torch.Tensor:
+        """The recipe's per-token KL estimate ``k(logp, ref_logp)`` (``kl_kind``; §9), ``[B, L]``.
+
+        ``old_logp`` is used only with ``kl_bias_correction`` (the ratio weight to the sampling policy).
+        """
+        from .losses import kl_estimate
+
+        kind, clamp = _KL_ESTIMATE_ARGS[self.kl_kind]
+        return kl_estimate(logp, ref_logp, mask, kind=kind, clamp=clamp, old_logp=old_logp)
+
     def kl_in_reward(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Per-token KL penalty ``kl_coef * k(logp, ref_logp)`` to subtract from rewards (§9).
 
         Detached: a reward is evidence. Zero when the recipe puts no KL in the reward.
         """
-        from .losses import kl_estimate
-
         if self.kl_placement != "reward":
             return torch.zeros_like(logp).detach()
-        kind, clamp = _KL_ESTIMATE_ARGS[self.kl_kind]
-        return (self.kl_coef * kl_estimate(logp.detach(), ref_logp, mask, kind=kind, clamp=clamp)).detach()
+        return (self.kl_coef * self.kl_per_token(logp.detach(), ref_logp, mask)).detach()
 
     # ------------------------------------------------------------------ the loss
     def loss_fn(self):
@@ -386,10 +393,9 @@ class Objective:
         if self.kl_placement == "loss":
             if ref_logp is None:
                 raise ValueError("ref_logp: required when kl_placement is 'loss'")
-            kind, clamp = _KL_ESTIMATE_ARGS[self.kl_kind]
             # bias correction: ratio to the sampling policy; on-policy (no old_logp) sg[log π_θ] itself
             ratio_to = (old_logp if old_logp is not None else logp.detach()) if self.kl_bias_correction else None
-            kl_term = aggregate(kl_estimate(logp, ref_logp, mask, kind=kind, clamp=clamp, old_logp=ratio_to),
+            kl_term = aggregate(self.kl_per_token(logp, ref_logp, mask, old_logp=ratio_to),
                                 mask, self.aggregation, constant=c, denominator=denominator)
             loss = loss + self.kl_coef * kl_term
             metrics["kl_loss_term"] = kl_term.detach()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy")
+OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns")
 # a failing non-objective check -> the documented difference it stands for
 CONVENTION_NOTES = {
     "masked_nan": "NaN/inf at masked positions reach the loss (masking by multiplication, 0 · inf = NaN)",
@@ -45,7 +45,7 @@ class PeerCase:
     make: Callable[[], Callable]
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "kl"
+    kind: str = "policy"            # "policy" | "advantage" | "gae" | "kl"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
@@ -85,6 +85,8 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
             report = _compare.policy(fn, recipe, case, seed=seed)
         elif case.kind == "advantage":
             report = _compare.advantage(fn, recipe, seed=seed)
+        elif case.kind == "gae":
+            report = _compare.gae(fn, recipe, seed=seed)
         else:
             report = _compare.kl(fn, recipe, seed=seed)
     except Exception as exc:  # an import or call failure is a result, not a crash of the report
@@ -92,7 +94,7 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
     failed = [c.name for c in report.checks if c.passed is False]
     conv = set(case.convention_checks) | ({"padding"} if case.denominator == "rows" else set())
     objective = [n for n in failed if n in OBJECTIVE_CHECKS and n not in conv]
-    worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS] or [0.0])
+    worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS and c.name not in conv] or [0.0])
     if objective:
         status = "differs"
     elif case.options or case.denominator:

@@ -5,7 +5,6 @@ import math
 
 import torch
 
-from ..losses import kl_estimate
 from ..verify import VerifyReport, verify
 from ..verify._common import Check, _maxdev
 
@@ -58,9 +57,31 @@ def kl(fn, recipe, *, seed: int) -> VerifyReport:
         got = fn(logp, ref)
         (g_got,) = torch.autograd.grad(got.sum(), logp)
         lp2 = logp.detach().clone().requires_grad_(True)
-        want = kl_estimate(lp2, ref, mask, kind=recipe.kl_kind)
+        want = recipe.kl_per_token(lp2, ref, mask)
         (g_want,) = torch.autograd.grad(want.sum(), lp2)
         d = max(_maxdev(got.detach(), want.detach()), _maxdev(g_got, g_want))
         checks.append(Check(name, d <= 1e-9 * max(1.0, float(want.detach().abs().max())), d,
                             f"value and gradient, log-ratio std {scale:g}"))
     return VerifyReport(recipe.name, checks)
+
+
+def gae(fn, recipe, *, seed: int) -> VerifyReport:
+    """Token-level advantages and returns from a critic: equal at every action token (observation spans
+    inside the response, rows of different lengths; terminated rows bootstrap 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    worst_a = worst_r = 0.0
+    for B, L in ((4, 12), (6, 30)):
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        for b in range(B):
+            end = int(torch.randint(L // 2, L + 1, (1,), generator=gen))
+            mask[b, :end] = True
+            if end > 6:
+                mask[b, 2:4] = False  # a tool observation
+        values = torch.randn(B, L, generator=gen, dtype=F64)
+        rewards = torch.where(mask & (torch.rand(B, L, generator=gen) > 0.7), torch.randn(B, L, generator=gen, dtype=F64), 0.0)
+        adv, ret = fn(values, rewards, mask)
+        ours = recipe.token_advantages(values, rewards, mask, bootstrap_value=0.0)
+        worst_a = max(worst_a, _maxdev(adv[mask], ours.advantages[mask]))
+        worst_r = max(worst_r, _maxdev(ret[mask], ours.returns[mask]))
+    return VerifyReport(recipe.name, [Check("value", worst_a <= 1e-9, worst_a, "advantages at action tokens"),
+                                      Check("returns", worst_r <= 1e-9, worst_r, "value targets at action tokens")])

@@ -80,3 +80,15 @@ def kl_penalty(kind: str) -> Callable:
     from verl.trainer.ppo.core_algos import kl_penalty as verl_kl
 
     return lambda logp, ref_logp: verl_kl(logp, ref_logp, kind)
+
+
+def gae_whitened() -> Callable:
+    """``gae_fn(values, rewards, mask) -> (advantages, returns)``: verl's ``compute_gae_advantage_return``
+    (γ = 1, λ = 0.95: verl-ppo's defaults), which whitens the advantages over valid tokens."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    def gae_fn(values, rewards, mask):
+        gamma, lam = (torch.tensor(v, dtype=values.dtype) for v in (1.0, 0.95))
+        return compute_gae_advantage_return(rewards, values, mask.to(values.dtype), gamma, lam)
+
+    return gae_fn
