@@ -18,8 +18,8 @@ from trajgrad.rollout.chat import (
     observation_text,
     prompt_ids,
 )
-from trajgrad.rollout.models import build_tiny_model
-from trajgrad.rollout.sampler import sample_actions
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.rollout.generation import sample_actions
 
 SYSTEM = {"role": "system", "content": "You are a test."}
 
@@ -561,12 +561,13 @@ def test_sample_actions_past_kv_validation(tok, model):
 def test_last_allowed_turn_keeps_no_keys_values_and_prompts_are_encoded_once(tok, model, monkeypatch):
     """An episode on its last allowed turn ends after it, so its keys/values are not read
     back; a group's members share one prompt encoding. Neither changes what is sampled."""
-    import trajgrad.rollout.sampler as sampler_mod
+    import trajgrad.rollout.episodes as episodes_mod
+    import trajgrad.rollout.generation as generation_mod
 
     extracted, encoded = [], []
-    real_extract, real_prompt = sampler_mod._extract_rows, sampler_mod.prompt_ids
-    monkeypatch.setattr(sampler_mod, "_extract_rows", lambda *a: extracted.append(len(a[1])) or real_extract(*a))
-    monkeypatch.setattr(sampler_mod, "prompt_ids", lambda *a: encoded.append(1) or real_prompt(*a))
+    real_extract, real_prompt = generation_mod.extract_rows, episodes_mod.prompt_ids
+    monkeypatch.setattr(generation_mod, "extract_rows", lambda *a: extracted.append(len(a[1])) or real_extract(*a))
+    monkeypatch.setattr(episodes_mod, "prompt_ids", lambda *a: encoded.append(1) or real_prompt(*a))
     out = {}
     for turns in (1, 3):
         extracted.clear(), encoded.clear()

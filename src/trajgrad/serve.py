@@ -327,7 +327,7 @@ class ServerState:
     def __init__(self, model, tokenizer, *, model_name: str, policy_version: int, lock, seed: Optional[int],
                  batch_window_s: float, max_batch_rows: int, max_tokens_limit: int):
         from .rollout.chat import end_of_turn_id
-        from .rollout.sampler import _model_device
+        from .model.build import model_device as _model_device
 
         self.model = model
         self.tokenizer = tokenizer
