@@ -51,7 +51,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..weights import is_peft, save_trainable, unwrap
 from .chat import end_of_turn_id
 from .episodes import EpisodeRunner
 from .generation import Action, SamplingSettings
@@ -133,7 +132,7 @@ class OpenAIBackend:
         self.max_concurrency = max_concurrency
         self._context_limit = None if max_context_tokens is None else int(max_context_tokens)
         self._context_known = max_context_tokens is not None
-        self._loaded_adapter: Optional[str] = None
+        self.loaded_adapter: Optional[str] = None  # vLLM: the adapter the last sync loaded
         if client is None:
             import httpx
 
@@ -181,10 +180,10 @@ class OpenAIBackend:
             where = f"the {self.server} server at {self._url(path)}"
             raise ConnectionError(f"server: cannot reach {where} ({exc})") from exc
 
-    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+    def post(self, path: str, body: Dict[str, Any]) -> Any:
         return self._json(self._send("POST", path, body), path)
 
-    def _get(self, path: str) -> Any:
+    def get(self, path: str) -> Any:
         return self._json(self._send("GET", path), path)
 
     def _json(self, resp, path: str) -> Any:
@@ -214,7 +213,7 @@ class OpenAIBackend:
         if self.server == "sglang":
             return
         try:
-            data = self._get("/v1/models").get("data") or []
+            data = self.get("/v1/models").get("data") or []
         except (ValueError, ConnectionError, AttributeError):
             return
         for card in data:
@@ -293,7 +292,7 @@ class OpenAIBackend:
         }
         if seed is not None:
             body["seed"] = seed
-        data = self._post("/v1/completions", body)
+        data = self.post("/v1/completions", body)
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or len(choices) != len(seqs):
             raise ValueError(f"server: expected {len(seqs)} choices from the trajgrad server, got {data!r:.300}")
@@ -318,7 +317,7 @@ class OpenAIBackend:
         }
         if seed is not None:
             body["seed"] = seed
-        data = self._post("/v1/completions", body)
+        data = self.post("/v1/completions", body)
         try:
             choice = data["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -349,7 +348,7 @@ class OpenAIBackend:
             **self._common(),
         }
         body = {"input_ids": list(seq), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
-        data = self._post("/generate", body)
+        data = self.post("/generate", body)
         if isinstance(data, list):
             data = data[0] if data else {}
         meta = data.get("meta_info") if isinstance(data, dict) else None
@@ -379,78 +378,14 @@ class OpenAIBackend:
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
-        """Save ``model``'s trainable weights, load them into the server, record ``version``.
+        """Save ``model``'s trainable weights and load them into the server
+        (:func:`~trajgrad.rollout.weight_sync.sync_server_weights`). Returns the directory
+        written; the caller records ``version`` (:meth:`OpenAISampler.sync_weights` does)."""
+        from .weight_sync import sync_server_weights
 
-        * LoRA (peft) models: the adapter, with ``model.save_pretrained`` (
-          ``adapter_config.json`` + ``adapter_model.safetensors``).
-        * Other models: ``trainable.safetensors``, the parameters with ``requires_grad``
-          by ``named_parameters()`` name (trajgrad server); the full Hugging Face
-          checkpoint (``save_pretrained``) for SGLang.
+        return sync_server_weights(self, model, version, save_dir)
 
-        Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM (LoRA only):
-        ``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}``
-        (the server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``),
-        later requests name that adapter and the previous one is unloaded; SGLang:
-        ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (a LoRA model is
-        merged into a copy of its base first). Turns sampled afterwards record ``version``.
-
-        Returns the directory written (``save_dir/v{version:06d}``). The server reads it, so
-        ``save_dir`` must be on a file system the server can see. The caller records
-        ``version`` (:meth:`OpenAISampler.sync_weights` does).
-        """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version: must be a non-negative integer, got {version!r}")
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        model = unwrap(model)
-        out = Path(os.fspath(save_dir)).expanduser().resolve() / f"v{version:06d}"
-        out.mkdir(parents=True, exist_ok=True)
-        peft = is_peft(model)
-        if self.server == "trajgrad":
-            if peft:
-                model.save_pretrained(str(out))
-            else:
-                try:
-                    save_trainable(model, out / "trainable.safetensors", {"version": str(version)})
-                except ValueError:
-                    raise ValueError("model: has no parameter with requires_grad; nothing to sync") from None
-            data = self._post("/reload", {"path": str(out), "version": version})
-            served = data.get("policy_version") if isinstance(data, dict) else None
-            if served != version:
-                raise ValueError(
-                    f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}"
-                )
-        elif self.server == "vllm":
-            if not peft:
-                raise ValueError(
-                    "model: vLLM loads new weights at run time only as LoRA adapters (/v1/load_lora_adapter); "
-                    "train with LoRA, or restart vLLM on the saved checkpoint"
-                )
-            model.save_pretrained(str(out))
-            name = f"{self.lora_name}-v{version}"
-            self._post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
-            previous, self._loaded_adapter = self._loaded_adapter, name
-            self.request_model = name
-            if previous is not None and previous != name:
-                try:  # best effort: an unloaded old adapter only costs server memory
-                    self._post_text("/v1/unload_lora_adapter", {"lora_name": previous})
-                except (ValueError, ConnectionError):
-                    pass
-        else:  # sglang
-            if peft:
-                import copy
-
-                merged = copy.deepcopy(model).merge_and_unload()
-                merged.save_pretrained(str(out), safe_serialization=True)
-                del merged
-            else:
-                model.save_pretrained(str(out), safe_serialization=True)
-            data = self._post("/update_weights_from_disk", {"model_path": str(out), "weight_version": str(version)})
-            if isinstance(data, dict) and data.get("success") is False:
-                raise ValueError(f"server: the sglang server refused the weights: {data.get('message')}")
-        return out
-
-    def _post_text(self, path: str, body: Dict[str, Any]) -> Any:
+    def post_text(self, path: str, body: Dict[str, Any]) -> Any:
         """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
         resp = self._send("POST", path, body)
         if resp.status_code >= 400:
@@ -462,41 +397,21 @@ class OpenAIBackend:
 class OpenAISampler(EpisodeRunner):
     r"""Multi-turn sampler whose actions come from an OpenAI-compatible server.
 
-    ``OpenAISampler(base_url, tokenizer, ...)`` is ``EpisodeRunner(OpenAIBackend(base_url,
-    tokenizer, ...), tokenizer, ...)`` with :meth:`sync_weights`.
+    ``OpenAISampler(base_url, tokenizer, model_name=..., ...)`` is
+    ``EpisodeRunner(OpenAIBackend(base_url, tokenizer, model_name=..., ...), tokenizer, ...)``
+    with :meth:`sync_weights`.
 
     Args:
-      base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is
-        accepted and removed).
-      tokenizer: the served model's tokenizer (ChatML; renders prompts and observations).
-      model_name: the served model id sent as ``model`` (vLLM: the base model name until
-        :meth:`sync_weights` loads an adapter).
-      temperature, top_k, top_p, max_new_tokens: the sampling distribution and action
-        length, as in :class:`~trajgrad.rollout.sampler.HFSampler` (``top_k=None`` /
-        ``top_p=None``: off).
-      server: ``"trajgrad"``, ``"vllm"`` or ``"sglang"`` (the request/response dialect).
-      timeout: seconds per HTTP request.
-      max_concurrency: most requests in flight at once (vLLM / SGLang: one per episode).
-      max_batch_size: ``trajgrad`` only: most episodes per request (``None``: all).
-      max_context_tokens: the context length; ``None``: ``/v1/models``' ``max_model_len``
-        for trajgrad and vLLM servers, else unlimited.
-      lora_name: vLLM adapter names are ``f"{lora_name}-v{version}"``.
-      client: an ``httpx.Client`` to use (e.g. with a custom transport); default: a new one.
+      base_url, tokenizer, model_name, temperature, top_k, top_p, max_new_tokens, server,
+        timeout, max_concurrency, max_batch_size, max_context_tokens, lora_name, client:
+        as in :class:`OpenAIBackend`.
       policy_version: the version recorded until the server reports another (§16).
       progress: progress bar over episodes.
     """
 
-    def __init__(self, base_url: str, tokenizer, *, model_name: str, temperature: float = 1.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None, max_new_tokens: int = 64,
-                 policy_version: int = 0, server: str = "trajgrad", timeout: float = 120.0,
-                 max_concurrency: int = 64, max_batch_size: Optional[int] = None,
-                 max_context_tokens: Optional[int] = None, lora_name: str = "trajgrad-policy",
-                 progress: bool = False, client=None):
-        backend = OpenAIBackend(
-            base_url, tokenizer, model_name=model_name, temperature=temperature, top_k=top_k, top_p=top_p,
-            max_new_tokens=max_new_tokens, server=server, timeout=timeout, max_concurrency=max_concurrency,
-            max_batch_size=max_batch_size, max_context_tokens=max_context_tokens, lora_name=lora_name, client=client,
-        )
+    def __init__(self, base_url: str, tokenizer, *, model_name: str, policy_version: int = 0,
+                 progress: bool = False, **backend_options):
+        backend = OpenAIBackend(base_url, tokenizer, model_name=model_name, **backend_options)
         super().__init__(backend, tokenizer, policy_version=policy_version, progress=progress)
 
     # the backend's connection, for callers that read them
