@@ -12,7 +12,7 @@ A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neit
   (:class:`KVBuffers`, :func:`fast_backbone`); :mod:`~trajgrad.model.kv`: the KV-cache
   argument names and per-row keys/values (:class:`RowKV`).
 * :mod:`~trajgrad.model.learner`: :func:`learner_logprobs`, :func:`head_inputs`,
-  :func:`causal_parts`; :mod:`~trajgrad.model.value_head`: :class:`ValueHead`.
+  :func:`causal_parts` (:mod:`~trajgrad.model.parts`); :mod:`~trajgrad.model.value_head`: :class:`ValueHead`.
 * :mod:`~trajgrad.model.positions`: :func:`position_ids_from_attention_mask`,
   :func:`prefix_groups`.
 
@@ -28,7 +28,8 @@ _LAZY = {
     "preferred_dtype": "dtype", "resolve_dtype": "dtype",
     "KVBuffers": "decode", "decode_step": "decode", "fast_backbone": "decode",
     "RowKV": "kv", "cache_kwarg": "kv", "output_cache": "kv",
-    "LearnerOutput": "learner", "causal_parts": "learner", "head_inputs": "learner", "learner_logprobs": "learner",
+    "LearnerOutput": "learner", "head_inputs": "learner", "learner_logprobs": "learner",
+    "causal_lm": "parts", "causal_parts": "parts",
     "ValueHead": "value_head",
     "PrefixGroups": "positions", "position_ids_from_attention_mask": "positions", "prefix_groups": "positions",
 }

@@ -32,12 +32,14 @@ from typing import List, Optional
 
 import torch
 
+from .parts import causal_lm
+
 __all__ = ["KVBuffers", "decode_step", "fast_backbone"]
 
 
 def fast_backbone(model) -> Optional[torch.nn.Module]:
     """The ``LlamaModel`` of ``model`` if :func:`decode_step` can run it, else None."""
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal = causal_lm(model)
     if type(causal).__name__ != "LlamaForCausalLM" or getattr(causal, "training", False):
         return None
     backbone = getattr(causal, "model", None)

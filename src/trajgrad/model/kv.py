@@ -13,6 +13,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from .parts import causal_lm
+
 __all__ = ["RowKV", "batched_cache", "cache_kwarg", "cache_layers", "empty_row", "extract_rows", "output_cache"]
 
 
@@ -21,7 +23,7 @@ def cache_kwarg(model) -> str:
     transformers, ``past_key_values`` before)."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     try:
         params = inspect.signature(base.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - exotic wrappers

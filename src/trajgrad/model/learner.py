@@ -22,19 +22,10 @@ from torch import nn
 from .. import logprobs as lp
 from ..fused import fused_entropy, fused_token_logprobs
 from .kv import cache_kwarg, output_cache
+from .parts import causal_parts
 from .positions import position_ids_from_attention_mask, prefix_groups
 
 __all__ = ["LearnerOutput", "causal_parts", "head_inputs", "learner_logprobs"]
-
-
-def causal_parts(model: nn.Module):
-    """(backbone, lm_head) of a Hugging Face causal LM, peft-wrapped or not."""
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-    backbone = getattr(causal, "model", None)
-    head = getattr(causal, "lm_head", None)
-    if backbone is None or head is None:
-        raise ValueError("model: expected a Hugging Face causal LM with .model and .lm_head")
-    return backbone, head
 
 
 @dataclass

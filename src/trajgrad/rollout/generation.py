@@ -44,6 +44,7 @@ import torch
 from ..model.build import model_device
 from ..model.decode import KVBuffers, decode_step, fast_backbone
 from ..model.kv import RowKV, batched_cache, cache_kwarg, cache_layers, empty_row, extract_rows, output_cache
+from ..model.parts import causal_lm
 from ..model.positions import position_ids_from_attention_mask, prefix_groups
 from .chat import end_of_turn_id
 
@@ -122,7 +123,7 @@ class _Stepper:
         # later one-token calls run the lean decode step (Llama models; decode.py)
         self.fast = fast_backbone(model) if extra_capacity is not None else None
         self.extra = extra_capacity
-        causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+        causal = causal_lm(model)
         self.lm_head = getattr(causal, "lm_head", None)
         if head_in_float32:
             backbone = getattr(causal, "model", None)

@@ -1,4 +1,5 @@
-"""Weight sync: a trained model's weights into the server an :class:`~trajgrad.rollout.openai_backend.OpenAIBackend` samples from.
+"""Weight sync: a trained model's weights into the server that an
+:class:`~trajgrad.rollout.openai_backend.OpenAIBackend` samples from.
 
 The files are written with :mod:`trajgrad.weights` (a peft adapter with
 ``save_pretrained``, or the trainable parameters with
