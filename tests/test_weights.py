@@ -267,3 +267,23 @@ def test_reference_weights_swap_and_restore(pair):
         assert torch.equal(model(x).logits, moved)
     with pytest.raises(ValueError, match="model: has no trainable parameters"):
         ReferenceWeights(torch.nn.Linear(2, 2).requires_grad_(False))
+
+
+# ----------------------------------------------------------------------------- layering
+def test_layers_import_downward_only():
+    """model/ and weights import neither rollout/, train/ nor serve/; serve imports no train/."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import trajgrad.model
+
+    model_modules = [f"trajgrad.model.{m.name}" for m in pkgutil.iter_modules(trajgrad.model.__path__)]
+    show = "print(' '.join(sorted(m for m in sys.modules if m.startswith('trajgrad'))))"
+    script = "\n".join(["import sys", *(f"import {m}" for m in model_modules), "import trajgrad.weights", show,
+                        "import trajgrad.serve", show])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    below, served = (set(line.split()) for line in out.stdout.strip().splitlines())
+    assert "trajgrad.model.learner" in below and "trajgrad.weights.files" in below
+    assert not {m for m in below if m.startswith(("trajgrad.rollout", "trajgrad.train", "trajgrad.serve"))}
+    assert "trajgrad.serve.reload" in served and not {m for m in served if m.startswith("trajgrad.train")}

@@ -175,14 +175,17 @@ class EpisodeRunner:
 
     def sampling_params(self) -> Dict[str, Any]:
         """What every trajectory records in ``Trajectory.sampling``."""
-        return {
+        described = dict(self.backend.describe())
+        params = {
             "temperature": self.temperature,
             "top_k": self.top_k,
             "top_p": self.top_p,
             "max_new_tokens": self.max_new_tokens,
-            **self.backend.describe(),
+            "model": described.pop("model", None),
             "greedy": self.greedy,
         }
+        params.update(described)
+        return params
 
     def rollout(
         self,
