@@ -59,6 +59,7 @@ import torch
 from . import checkpoint_files as F
 from . import checkpoint_state as S
 from .checkpoint_files import CorruptCheckpoint
+from ..weights import file_tensors, module_state, module_state_loader
 
 __all__ = [
     "CheckpointState",
@@ -270,10 +271,10 @@ def save_checkpoint(
         (tmp / "modules").mkdir()
         (tmp / "optimizers").mkdir()
         for mname, module in modules.items():
-            kind, state, adapter = S._module_state(module, trainable_only)
+            kind, state, adapter = module_state(module, trainable_only)
             rel = f"modules/{mname}.safetensors"
             meta = {"kind": kind, "adapter": adapter or "", "step": str(step)}
-            files[rel] = F.file_entry(tmp / rel, F._write_safetensors(tmp / rel, S._file_tensors(mname, state), meta))
+            files[rel] = F.file_entry(tmp / rel, F._write_safetensors(tmp / rel, file_tensors(mname, state), meta))
             module_entries[mname] = {"kind": kind, "adapter": adapter, "file": rel, "tensors": len(state)}
         opt_entries: Dict[str, dict] = {}
         for oname, opt in optimizers.items():
@@ -376,7 +377,7 @@ def load_checkpoint(
             state = load_file(str(path / entry["file"]), device="cpu")
         except Exception as exc:
             raise ValueError(f"run_dir: corrupt checkpoint: cannot read {path / entry['file']} ({exc})") from None
-        appliers.append(S._load_module(mname, module, entry, state))
+        appliers.append(module_state_loader(mname, module, entry["kind"], state, adapter=entry.get("adapter")))
     opt_states = []
     for oname, opt in optimizers.items():
         entry = manifest["optimizers"].get(oname)

@@ -20,11 +20,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)  # format 1: sizes only, no checksums
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-MANIFEST = "manifest.json"
+from ..weights.files import CHECKPOINT_FORMAT as FORMAT_VERSION  # the layout is the weights layer's
+from ..weights.files import CHECKPOINTS, LATEST, MANIFEST
+from ..weights.files import READABLE_CHECKPOINT_FORMATS as READABLE_FORMATS
+
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"

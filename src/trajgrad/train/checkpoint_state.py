@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import sys
 import warnings
 from typing import Any, Dict, Mapping
 
@@ -70,129 +69,8 @@ def _dump_extra(extra) -> bytes:
 # ----------------------------------------------------------------------------- module states
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """Strip DataParallel / DistributedDataParallel / torch.compile wrappers."""
-    while True:
-        if isinstance(module, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-            module = module.module
-        elif type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def _is_peft(module: torch.nn.Module) -> bool:
-    if "peft" not in sys.modules:  # a PeftModel cannot exist without peft imported
-        return False
-    from peft import PeftModel
-
-    return isinstance(module, PeftModel)
-
-
-def _peft_adapter_name(module) -> str:
-    name = getattr(module, "active_adapter", "default")
-    return name if isinstance(name, str) else "default"
-
-
-def _module_state(module: torch.nn.Module, trainable_only: bool):
-    """Return (kind, state, adapter_name) for one module."""
-    module = _unwrap(module)
-    if trainable_only and _is_peft(module):
-        from peft import get_peft_model_state_dict
-
-        adapter = _peft_adapter_name(module)
-        return "peft", get_peft_model_state_dict(module, adapter_name=adapter), adapter
-    if trainable_only:
-        state = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        return "trainable", state, None
-    return "full", module.state_dict(), None
-
-
-def _file_tensors(name: str, state: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-    """CPU, contiguous tensors that share no storage (a safetensors requirement)."""
-    out: Dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, t in state.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"modules: {name!r} state entry {key!r} is not a tensor")
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        storage = t.untyped_storage()
-        whole = (
-            t.is_contiguous()
-            and t.storage_offset() == 0
-            and t.numel() * t.element_size() == storage.nbytes()
-        )
-        ptr = storage.data_ptr()
-        if not whole or ptr in seen or t.numel() == 0:
-            t = t.clone(memory_format=torch.contiguous_format)
-        else:
-            seen.add(ptr)
-        out[key] = t
-    return out
-
-
-def _load_module(name: str, module: torch.nn.Module, entry: dict, state: Dict[str, torch.Tensor]):
-    """Check that ``state`` fits ``module``; return a closure that copies it in."""
-    module = _unwrap(module)
-    kind = entry["kind"]
-    if kind == "peft":
-        if not _is_peft(module):
-            raise ValueError(f"modules: {name!r} was saved as a peft adapter but is a {type(module).__name__}")
-
-        def apply():
-            from peft import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(module, state, adapter_name=entry.get("adapter") or "default")
-            unexpected = list(getattr(result, "unexpected_keys", []) or [])
-            if unexpected:
-                raise ValueError(f"modules: {name!r} adapter keys not in the model: {unexpected[:5]}")
-
-        return apply
-    if kind == "full":
-        own = module.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"modules: {name!r} does not match the checkpoint "
-                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-            )
-        for key, t in state.items():
-            if isinstance(own[key], torch.Tensor) and tuple(own[key].shape) != tuple(t.shape):
-                raise ValueError(
-                    f"modules: {name!r} {key!r} has shape {tuple(own[key].shape)}, "
-                    f"checkpoint has {tuple(t.shape)}"
-                )
-
-        def apply():
-            module.load_state_dict(state, strict=True)
-
-        return apply
-    if kind == "trainable":
-        params = dict(module.named_parameters(remove_duplicate=False))
-        unexpected = sorted(set(state) - set(params))
-        if unexpected:
-            raise ValueError(f"modules: {name!r} has no parameters {unexpected[:5]} (from the checkpoint)")
-        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-        missing = sorted(trainable - set(state))
-        if missing:
-            raise ValueError(f"modules: {name!r} trainable parameters {missing[:5]} are not in the checkpoint")
-        for key, t in state.items():
-            if tuple(params[key].shape) != tuple(t.shape):
-                raise ValueError(
-                    f"modules: {name!r} {key!r} has shape {tuple(params[key].shape)}, "
-                    f"checkpoint has {tuple(t.shape)}"
-                )
-
-        def apply():
-            with torch.no_grad():
-                for key, t in state.items():
-                    params[key].copy_(t)
-
-        return apply
-    raise ValueError(f"modules: {name!r} has unknown kind {kind!r} in the checkpoint")
+# Module states are the weights layer's (trajgrad.weights): peft detection, trainable state,
+# safetensors-ready tensors and the checked loader.
 
 
 # ----------------------------------------------------------------------------- RNG

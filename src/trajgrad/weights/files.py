@@ -21,6 +21,7 @@ Formats:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from .state import file_tensors, is_peft, module_state_loader, peft_adapter_name
 __all__ = [
     "CHECKPOINTS",
     "CHECKPOINT_FORMAT",
+    "READABLE_CHECKPOINT_FORMATS",
     "LATEST",
     "MANIFEST",
     "adapter_loader",
@@ -43,7 +45,8 @@ __all__ = [
     "save_trainable",
 ]
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2          # a manifest's "files": {name: {"size": bytes, "sha256": hex}}
+READABLE_CHECKPOINT_FORMATS = (1, 2)  # format 1: {name: size}, no checksums
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -262,8 +265,8 @@ def _checkpoint_dir(path: Path) -> Path:
 def checkpoint_module_loader(model: torch.nn.Module, path: Union[str, os.PathLike], *, name: str = "policy") -> Loader:
     """Module ``name`` of a trajgrad checkpoint (run or step directory) into ``model``.
 
-    The manifest must be complete (format :data:`CHECKPOINT_FORMAT`, the module's file of
-    the recorded size); the module's state (``peft`` adapter, ``trainable`` parameters or
+    The manifest must be complete (a format of :data:`READABLE_CHECKPOINT_FORMATS`, the
+    module's file of the recorded size and checksum); the module's state (``peft`` adapter, ``trainable`` parameters or
     ``full`` state dict) is checked with :func:`~trajgrad.weights.state.module_state_loader`.
     """
     step = _checkpoint_dir(Path(os.fspath(path)))
@@ -271,19 +274,22 @@ def checkpoint_module_loader(model: torch.nn.Module, path: Union[str, os.PathLik
         manifest = json.loads((step / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"path: {step / MANIFEST} is unreadable ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_CHECKPOINT_FORMATS:
         raise ValueError(f"path: {step / MANIFEST} has an unknown format")
     entry = (manifest.get("modules") or {}).get(name)
     if not isinstance(entry, dict) or "file" not in entry or "kind" not in entry:
         raise ValueError(f"path: the checkpoint {step} has no module {name!r}")
     file = step / entry["file"]
-    size = (manifest.get("files") or {}).get(entry["file"])
+    recorded = (manifest.get("files") or {}).get(entry["file"])
+    size, digest = (recorded, None) if not isinstance(recorded, dict) else (recorded.get("size"), recorded.get("sha256"))
     try:
         actual = file.stat().st_size
     except OSError:
         raise ValueError(f"path: {file} is missing") from None
     if size is not None and actual != size:
         raise ValueError(f"path: {file} has {actual} bytes, the manifest says {size}")
+    if digest is not None and hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        raise ValueError(f"path: {file} does not match its checksum in the manifest (corrupted)")
     state = _read_safetensors([file])
     try:
         load = module_state_loader(name, model, entry["kind"], state, adapter=entry.get("adapter"))
