@@ -344,3 +344,25 @@ def test_overriding_the_recipe_renames_the_run():
         assert load_config(path).name == "tiny-calculator-rloo"
         path.write_text("preset: tiny\nname: keep\nrecipe: {name: rloo}\n")
         assert load_config(path).name == "keep"
+
+
+def test_one_demonstration_trajectory_feeds_sft_and_dpo(tmp_path):
+    """SFT and DPO's chosen responses use rollout.chat.demonstration_trajectory: tokens no
+    policy sampled (version -1 at every action target), no reward, success True."""
+    from trajgrad.rollout import chat
+    from trajgrad.train import demos
+
+    assert demos.demonstration_trajectory is chat.demonstration_trajectory
+    tr = Trainer(micro_config("dpo"), tmp_path / "run", console=lambda *_: None)
+    tasks = tr.train_tasks[:3]
+    batch = tr._demo_batch(tasks)
+    expect = [chat.demonstration_trajectory(tr.tokenizer, tr.source, t) for t in tasks]
+    assert batch.episode_ids == [t.episode_id for t in expect]
+    assert (batch.policy_version[batch.action_mask] == -1).all()
+    assert batch.success.all() and float(batch.rewards.abs().sum()) == 0.0
+    assert batch.action_mask.sum(1).tolist() == [t.num_action_tokens for t in expect]
+    samples = [t for t in tr.sampler.rollout(tr.source, tasks, group_size=2, seed=0) if not t.success]
+    pairs = demos.build_dpo_pairs(tr.tokenizer, tr.source, tasks, samples)
+    assert all(c.metadata["demonstration"] and not r.success for c, r in pairs)
+    step = demos.pairs_for_step(pairs, cursor=1, per_step=2)
+    assert len(step) == min(2, len(pairs))

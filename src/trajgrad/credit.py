@@ -29,7 +29,6 @@ NaN/inf; they are never read into a result.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
