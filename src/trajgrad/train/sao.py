@@ -53,7 +53,7 @@ class AsyncTrainer(RayLearner):
 
     def _check_recipe(self, cfg: Config) -> None:
         obj = cfg.objective()
-        if obj.loss == "dpo":
+        if obj.kind == "pairwise":
             raise ValueError("recipe: dpo trains on offline pairs; asynchronous rollouts do not apply")
         if obj.group_size != 1:
             raise ValueError(

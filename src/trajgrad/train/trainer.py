@@ -77,7 +77,7 @@ class Trainer:
         # snapshot_reference at that moment; a resumed run loads it from the checkpoint
         if resume and self.objective.uses_reference:
             self.learner.reference = ReferenceWeights(self.model)
-        if self.objective.loss == "opd":
+        if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
         self.sampler = build_sampler(cfg, self.model, self.tokenizer)
@@ -188,8 +188,10 @@ class Trainer:
     def _demo_batch(self, tasks) -> RolloutBatch:
         return demo_batch(self.tokenizer, self.source, tasks, self.pad_id)
 
-    def _policy_update(self, batch, advantages, old_logp, ref_logp, *, behaviour=None) -> Dict[str, float]:
-        return updates.policy_update(self.learner, batch, advantages, old_logp, ref_logp, behaviour=behaviour)
+    def _policy_update(self, batch, advantages, old_logp, ref_logp, *, behaviour=None,
+                       behaviour_logp=None) -> Dict[str, float]:
+        return updates.policy_update(self.learner, batch, advantages, old_logp, ref_logp, behaviour=behaviour,
+                                     behaviour_logp=behaviour_logp)
 
     def _critic_phase(self, batch: RolloutBatch, hidden: torch.Tensor, tok_r: torch.Tensor):
         return updates.critic_update(self.learner, batch, hidden, tok_r)
@@ -246,7 +248,7 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         """Sample (or, for DPO, take the next pairs) and perform one update; the metrics."""
         seed_everything(step_seed(self.cfg.train.seed, self.step))
-        if self.objective.loss == "dpo":
+        if self.objective.kind == "pairwise":
             return dist_lib.mean_metrics_over_ranks(self._dpo_step())
         t_step = time.perf_counter()
         trajs, metrics = self._collect()
@@ -269,7 +271,7 @@ class Trainer:
         metrics = batch_facts(batch)
         turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
         metrics.update(info)
-        if obj.loss == "opd":  # on-policy distillation: the student's own samples, the teacher's distribution
+        if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
             t0 = time.perf_counter()
             metrics.update(updates.distill_update(st, batch))
             metrics["time/update"] = time.perf_counter() - t0
@@ -283,7 +285,7 @@ class Trainer:
         # "auto": a single on-policy epoch needs no separate pass: the update's own forward pass,
         # detached, IS the recomputed log-prob under the current (= old) weights (ratio 1 exactly)
         fused_old = (cfg.train.old_logp == "auto" and cfg.train.epochs_per_batch == 1 and not obj.critic
-                     and obj.loss != "sao" and obj.kl_placement != "reward")
+                     and obj.ratio_source != "behaviour" and obj.kl_placement != "reward")
         recomputed = hidden = None
         if not fused_old:
             with torch.no_grad():
@@ -293,10 +295,10 @@ class Trainer:
                 hidden = torch.cat([o.hidden for o in outs], 0) if obj.critic else None
                 entropy = torch.cat([o.entropy for o in outs], 0)
             metrics.update(updates.sampler_learner_metrics(recomputed, behaviour, entropy, mask))
-        if obj.loss == "sao" or cfg.train.old_logp == "behaviour":
-            old_logp = torch.where(mask, behaviour, 0.0)
-        else:
-            old_logp = None if fused_old else recomputed
+        # the term takes its ratio against the log-probs it declares (Objective.ratio_source):
+        # the recomputed ones ("old"), or the sampler's ("behaviour", §20.2)
+        behaviour_logp = torch.where(mask, behaviour, 0.0)
+        old_logp = behaviour_logp if cfg.train.old_logp == "behaviour" else (None if fused_old else recomputed)
         ref_logp = self._reference_logprobs(batch).double() if obj.kl_placement != "none" else None
         if ref_logp is not None and recomputed is not None:
             metrics["kl/k3_to_reference"] = float(masked_mean(kl_estimate(recomputed, ref_logp, mask, kind="k3"), mask))
@@ -314,8 +316,7 @@ class Trainer:
             seq_r = turn_r.sum(1)
             if kl_reward:
                 seq_r = seq_r - obj.kl_in_reward(recomputed, ref_logp, mask).sum(1)
-            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids) if obj.advantage != "return" \
-                else obj.sequence_advantages(seq_r)
+            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids)
             advantages = ga.advantages.double()
             zv = ga.zero_variance
             metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
@@ -323,7 +324,8 @@ class Trainer:
         # 3. the policy update (none while the critic warms up)
         t0 = time.perf_counter()
         if not (obj.critic and self.step < cfg.critic.warmup_steps):
-            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour))
+            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour,
+                                               behaviour_logp=behaviour_logp))
             self._new_version()
         metrics["time/update"] = time.perf_counter() - t0
         if self.lagrange is not None:

@@ -28,7 +28,8 @@ from .. import credit
 from .. import distributed as dist_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
 from ..diagnostics import explained_variance
-from ..losses import kl_estimate, sequence_logp, value_loss
+from ..fused import fused_entropy, fused_token_logprobs
+from ..losses import kl_estimate, sequence_logp
 from ..objective import Objective
 from ..rollout import RolloutBatch
 from .models import ReferenceWeights
@@ -124,6 +125,26 @@ def reference_logprobs(st: LearnerState, batch: RolloutBatch) -> torch.Tensor:
     return torch.cat(outs, 0)
 
 
+def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""``[B, L]`` float64 log-probs of the action tokens and the per-token entropy
+    :math:`\mathcal H_j=-\sum_v\pi_{j,v}\log\pi_{j,v}` of the sampling distribution at
+    ``temperature``, *both with their gradient*, from one forward pass.
+
+    Both go through the chunked head of :mod:`trajgrad.fused` (logits recomputed chunk by
+    chunk in backward), so ``[B, L, V]`` is never held. The entropy bonus needs the exact
+    entropy of the distribution the sampler draws from: with ``top_k``/``top_p`` that is a
+    truncated distribution, which this path does not compute, so it raises.
+    """
+    if st.top_k is not None or (st.top_p is not None and st.top_p < 1.0):
+        raise ValueError("entropy_coef: the entropy bonus is computed for sampling without top_k/top_p "
+                         f"(got top_k={st.top_k}, top_p={st.top_p})")
+    h, w, b = head_inputs(st.model, batch.input_ids, batch.attention_mask)
+    mask = batch.action_mask.bool()
+    logp = fused_token_logprobs(h, w, batch.input_ids[:, 1:], bias=b, temperature=st.temperature, mask=mask)
+    ent = fused_entropy(h, w, bias=b, temperature=st.temperature, mask=mask)
+    return logp.double(), ent.double()
+
+
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
     """Entropy, and how far the learner's log-probs are from the sampler's records (§7)."""
     m = {"entropy": float(masked_mean(entropy.double(), mask))}
@@ -135,12 +156,17 @@ def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, floa
 
 # ---------------------------------------------------------------------- policy
 def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tensor, old_logp: Optional[torch.Tensor],
-                  ref_logp: Optional[torch.Tensor], *, behaviour: Optional[torch.Tensor] = None) -> Dict[str, float]:
+                  ref_logp: Optional[torch.Tensor], *, behaviour: Optional[torch.Tensor] = None,
+                  behaviour_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
     """``epochs_per_batch`` optimizer steps of the recipe's policy loss on one batch.
 
     ``old_logp=None``: one on-policy epoch; each micro-batch's own detached log-probs are
     the old log-probs (the numbers a separate no-grad pass would give, ratio 1 exactly).
-    ``behaviour``: the sampler's log-probs, for the learner-vs-sampler metrics.
+    ``behaviour_logp``: the sampler's log-probs (0 off the action tokens), handed to
+    :meth:`Objective.policy_loss` with ``old_logp``; the term takes its ratio against the one
+    it declares (§7, §20.2). ``behaviour``: the sampler's raw records, for the
+    learner-vs-sampler metrics. With ``entropy_coef > 0`` the loss gets the per-token entropy
+    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`).
     """
     obj = st.objective
     mask = batch.action_mask
@@ -149,6 +175,7 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     mbs = micro_batches(len(batch), st.micro_batch_size)
     den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
     params = st.trainable()
+    with_entropy = obj.entropy_coef > 0
     seen_logp, seen_ent = [], []
     acc = TokenWeightedMetrics(mask.sum())
     loss_total, grad_norm = 0.0, None
@@ -158,14 +185,19 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
         for idx in mbs:
             mb = batch.select(idx)
             first = old_logp is None
-            out = logprobs(st, mb, want_entropy=first)
-            lp = out.logp.double()
+            if with_entropy:
+                lp, ent = logprobs_with_entropy(st, mb)
+            else:
+                out = logprobs(st, mb, want_entropy=first)
+                lp, ent = out.logp.double(), out.entropy
             if first:
                 seen_logp.append(lp.detach())
-                seen_ent.append(out.entropy)
+                seen_ent.append(ent.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
             res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
-                                  ref_logp=None if ref_logp is None else ref_logp[idx], denominator=den)
+                                  behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
+                                  ref_logp=None if ref_logp is None else ref_logp[idx],
+                                  entropy=ent if with_entropy else None, denominator=den)
             res.loss.backward()
             loss_total += float(res.loss.detach())
             acc.add(res.metrics, mb.action_mask.sum())
@@ -202,7 +234,7 @@ def critic_update(st: LearnerState, batch: RolloutBatch, hidden: torch.Tensor,
     for _ in range(st.critic_updates):
         st.critic_optimizer.zero_grad(set_to_none=True)
         pred = st.value_head(hidden).double()
-        vl = value_loss(pred, targets, mask, old_values=values, clip_range=obj.value_clip, denominator=vden)
+        vl = obj.value_loss(pred, targets, mask, old_values=values, denominator=vden)
         vl.loss.backward()
         finish_step(list(st.value_head.parameters()), st.critic_optimizer, None)
     with torch.no_grad():
