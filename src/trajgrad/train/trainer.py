@@ -36,7 +36,6 @@ import torch
 
 from .. import distributed as dist_lib
 from ..aggregate import masked_mean
-from ..credit import bootstrap_values
 from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
@@ -51,7 +50,7 @@ from .rewards import batch_facts, token_rewards, turn_rewards
 from .seeding import seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 
-__all__ = ["Trainer", "EvalResult", "bootstrap_values", "seed_everything"]
+__all__ = ["Trainer", "EvalResult", "seed_everything"]
 
 
 class Trainer:
