@@ -410,20 +410,27 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-def mean_metrics_over_ranks(metrics: Mapping[str, Any]) -> Dict[str, float]:
-    """Unweighted mean over ranks of each finite numeric metric, over the union of keys
-    (a rank that lacks a key, or holds a non-finite value for it, is left out of that key).
+def mean_metrics_over_ranks(metrics: Mapping[str, Any], weight: float = 1.0) -> Dict[str, float]:
+    r"""Mean over ranks of each finite numeric metric, over the union of keys:
+    :math:`\sum_r w_r m_{r,k} / \sum_r w_r` over the ranks that hold key :math:`k` with a
+    finite value and a positive weight (``weight``: this rank's, e.g. its number of pairs,
+    so that a per-item mean becomes the mean over every rank's items; default 1, the plain
+    mean over ranks).
 
-    Unlike :func:`all_reduce_metrics` the ranks may log different keys (one rank skipped
-    a phase). In a single process the metrics are returned unchanged.
+    Unlike :func:`all_reduce_metrics` the ranks may log different keys (a rank that held
+    no data skipped a phase). In a single process the metrics are returned unchanged.
     """
+    w = _as_float("weight", weight)
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"weight: must be finite and >= 0, got {weight!r}")
     if not is_distributed():
         return dict(metrics)
-    every = gather_objects(dict(metrics))
-    keys = sorted(set().union(*[m.keys() for m in every]))
+    every = gather_objects((dict(metrics), w))
+    keys = sorted(set().union(*[m.keys() for m, _ in every]))
     out: Dict[str, float] = {}
     for k in keys:
-        vals = [m[k] for m in every if k in m and isinstance(m[k], (int, float)) and math.isfinite(m[k])]
+        vals = [(float(m[k]), wr) for m, wr in every
+                if k in m and isinstance(m[k], (int, float)) and math.isfinite(m[k]) and wr > 0]
         if vals:
-            out[k] = float(sum(vals) / len(vals))
+            out[k] = float(sum(v * wr for v, wr in vals) / sum(wr for _, wr in vals))
     return out

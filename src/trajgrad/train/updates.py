@@ -318,6 +318,9 @@ def dpo_update(st: LearnerState, chosen: Optional[RolloutBatch], rejected: Optio
         snapshot_reference(st)
     params = st.trainable()
     finish_step(params, st.optimizer, st.grad_clip or 1e9)
+    # per-pair means over every rank's pairs; the loss is the sum of the ranks' shares
+    n_local = 0 if chosen is None else len(chosen)
+    out = dist_lib.mean_metrics_over_ranks(out, weight=n_local)
     out["loss"] = dist_lib.sum_over_ranks(local)
     return out
 
