@@ -307,6 +307,14 @@ def _worker(rank: int, port: int, q) -> None:
                         # that vanishes when this process exits
                         res["grads"][(name, mode, k, scheme)] = g.tolist()
         res["dpo"] = _dpo_checks(rank)
+        res["rank_helpers"] = {
+            "gather": D.gather_objects({"rank": rank}),
+            "sum": D.sum_over_ranks(rank + 0.5),
+            "min": D.min_over_ranks(rank + 3),
+            # rank 0 logs "c", rank 1 logs "b"; weights 1 and 2
+            "mean": D.mean_metrics_over_ranks({"a": 1.0 + rank, ("b" if rank else "c"): 2.0 + rank}, weight=1 + rank),
+            "zero_weight": D.mean_metrics_over_ranks({"x": 5.0 if rank == 0 else float("nan")}, weight=1 - rank),
+        }
         D.barrier()
         res["seconds"] = time.perf_counter() - t0
         q.put(("ok", rank, res))
@@ -460,6 +468,27 @@ def test_dpo_pair_loss_is_the_mean_over_pairs_in_one_process():
     for bad in (3, 0, 4.0, True):
         with pytest.raises(ValueError, match="^num_pairs"):
             dpo_pair_loss(obj, pc, pr, rc, rr, bad)
+
+
+def test_rank_helpers_across_ranks(job):
+    for rank in range(WORLD):
+        h = job[rank]["rank_helpers"]
+        assert h["gather"] == [{"rank": 0}, {"rank": 1}]
+        assert h["sum"] == 2.0 and h["min"] == 3
+        # a: (1*1 + 2*2) / 3; b only on rank 1, c only on rank 0
+        assert h["mean"] == pytest.approx({"a": 5.0 / 3.0, "b": 3.0, "c": 2.0}, abs=1e-12)
+        assert h["zero_weight"] == {"x": 5.0}
+
+
+def test_rank_helpers_single_process():
+    assert D.gather_objects(3) == [3]
+    assert D.sum_over_ranks(torch.tensor(2.5)) == 2.5 and D.min_over_ranks(4) == 4
+    assert D.mean_metrics_over_ranks({"a": 1.0}, weight=0) == {"a": 1.0}
+    for call, arg in ((lambda: D.min_over_ranks(1.5), "value"), (lambda: D.sum_over_ranks("x"), "value"),
+                      (lambda: D.mean_metrics_over_ranks({}, weight=-1.0), "weight"),
+                      (lambda: D.mean_metrics_over_ranks({}, weight=float("nan")), "weight")):
+        with pytest.raises(ValueError, match=f"^{arg}"):
+            call()
 
 
 def test_process_info_and_lifecycle(job):
