@@ -74,7 +74,7 @@ _CHILD = textwrap.dedent(
         F._write_torch = write
     elif mode in ("sft", "eval_after"):
         from trajgrad.train.trainer import Trainer
-        orig_demo, orig_eval = Trainer._demo_batch, Trainer._evaluate
+        orig_demo, orig_eval = Trainer._demo_batch, Trainer.evaluate
 
         def demo(self, tasks):
             if mode == "sft" and hit():
@@ -85,7 +85,7 @@ _CHILD = textwrap.dedent(
             if mode == "eval_after" and tag == "after":
                 die()
             return orig_eval(self, tag)
-        Trainer._demo_batch, Trainer._evaluate = demo, evaluate
+        Trainer._demo_batch, Trainer.evaluate = demo, evaluate
     from trajgrad.cli import main
     sys.argv = ["trajgrad", "train", *sys.argv[3:]]
     main()
@@ -276,8 +276,11 @@ def test_damaged_checkpoint_is_named_and_the_older_one_resumes_identically(env, 
 def test_missing_latest_resumes_from_the_newest_checkpoint(env, killed):
     run = _copy(env, killed, "no-latest")
     (run / "checkpoints" / "latest").unlink()
-    res = _ok(["train", "--resume", str(run)])
-    assert "latest is missing" in res.output and "step-000002" in res.output
+    plan = check_resume(run)
+    assert plan.repoint and plan.checkpoint.name == "step-000002"
+    assert any("latest is missing" in n and "step-000002" in n for n in plan.notes)
+    _ok(["train", "--resume", str(run)])
+    assert (run / "checkpoints" / "latest").exists()
     _assert_same_run(env["ref"], run)
 
 

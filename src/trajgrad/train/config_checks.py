@@ -24,14 +24,6 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 __all__ = ["check_config", "check_effective", "user_keys"]
 
-# Losses whose ratio is clipped to (or trusted in) [1 - eps_low, 1 + eps_high].
-_RATIO_LOSSES = ("ppo", "gspo", "gspo_token", "sao")
-# Objective fields that only matter to some losses / settings (used for "no effect").
-_LOSS_FIELDS = {
-    "eps_low": _RATIO_LOSSES, "eps_high": _RATIO_LOSSES, "dual_clip": ("ppo",),
-    "tau_pos": ("sapo",), "tau_neg": ("sapo",), "ratio_gradient": ("sao",), "beta": ("dpo",),
-}
-_CRITIC_FIELDS = ("critic_updates", "value_clip", "vf_coef", "lam")
 _ENUMERATE_LIMIT = 50_000  # calculator expression spaces up to this size are counted exactly
 
 
@@ -106,9 +98,6 @@ def _check_recipe(cfg, errors: _Errors):
         else:
             errors.add(f"recipe.overrides.{field}", _one_line(rest))
         return None
-    if obj.loss in _RATIO_LOSSES and not obj.eps_low < 1:
-        key = "recipe.overrides.eps_low" if "eps_low" in cfg.recipe.overrides else "recipe.name"
-        errors.add(key, f"the lower ratio bound 1 − eps_low must be > 0, got 1 − {obj.eps_low:g} = {1 - obj.eps_low:g}")
     return obj
 
 
@@ -126,7 +115,7 @@ def _check_tiny(prefix: str, tiny, errors: _Errors) -> None:
 def _check_models(cfg, obj, errors: _Errors) -> None:
     if cfg.model.name == "tiny":
         _check_tiny("model.tiny", cfg.model.tiny, errors)
-    if obj is not None and obj.loss == "opd":
+    if obj is not None and obj.kind == "distill":
         if cfg.teacher.name == "smollm2" and cfg.model.name != "smollm2":
             errors.add("teacher.name", "'smollm2' needs model.name 'smollm2' (the same tokenizer)")
         elif cfg.teacher.name in ("tiny", "sft"):
@@ -295,7 +284,7 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("eval.during_n", cfg.eval.every == 0, "has no effect when eval.every is 0 (no evaluation during training)", ()),
         ("sampling.top_k", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
         ("sampling.top_p", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
-        ("sft.", cfg.sft.steps == 0 and not (obj.loss == "opd" and cfg.teacher.name == "sft"),
+        ("sft.", cfg.sft.steps == 0 and not (obj.kind == "distill" and cfg.teacher.name == "sft"),
          "has no effect when sft.steps is 0", ("sft.steps",)),
         ("eval.", not (cfg.eval.before or cfg.eval.after or cfg.eval.every),
          "has no effect: eval.before, eval.after and eval.every turn every evaluation off",
@@ -310,13 +299,10 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
                 if _changed(cfg, key, default):
                     errors.add(key, msg)
         if key.startswith("recipe.overrides."):
+            # the registry says which fields the chosen policy term and estimator read
             field = key.split(".")[2]
-            losses = _LOSS_FIELDS.get(field)
-            if losses is not None and obj.loss not in losses:
-                errors.add(key, f"has no effect with loss {obj.loss!r} (recipe {obj.name!r})")
-            elif field in _CRITIC_FIELDS and not obj.critic:
-                errors.add(key, f"has no effect: recipe {obj.name!r} trains no critic")
-            elif field == "kl_kind" and obj.kl_placement == "none":
-                errors.add(key, "has no effect when kl_placement is 'none'")
+            if field not in obj.read_fields():
+                errors.add(key, f"has no effect with loss {obj.loss!r}, advantage {obj.advantage!r} and "
+                                f"kl_placement {obj.kl_placement!r} (recipe {obj.name!r})")
     errors.raise_if_any()
 
