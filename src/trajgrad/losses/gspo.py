@@ -11,31 +11,10 @@ from typing import Optional
 
 import torch
 
-from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import policy_metrics
-from ..ratios import gspo_log_sequence_ratio
+from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
+from ._common import aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages
 from .ppo import _clip_bounds, _clipped_surrogate
-from .reinforce import _prepare
-
-
-def _sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` advantage of each sequence from a sanitized ``[B, L]`` tensor.
-
-    Raises unless the advantage is constant over each sequence's valid tokens.
-    """
-    first = mask.to(torch.int8).argmax(-1)  # index of the first valid token (0 if none)
-    seq = adv.gather(1, first[:, None]).squeeze(1)
-    if _checks.values_checked():
-        dev = torch.where(mask, (adv - seq[:, None]).abs(), torch.zeros_like(adv))
-        tol = 1e-6 * (1.0 + seq.abs())
-        if bool((dev.amax(-1) > tol).any()):
-            raise ValueError(
-                "advantages: GSPO needs one advantage per sequence ([B], or [B, L] constant over "
-                "each sequence's valid tokens); use gspo_token_loss for per-token advantages"
-            )
-    return seq
 
 
 def gspo_loss(
@@ -85,26 +64,29 @@ def gspo_loss(
       aggregation: default ``"seq_mean_token_mean"`` (the paper's :math:`\frac1G\sum_i`).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
 
+    A batch with no valid token (all-zero mask, or ``L = 0``) gives loss 0 (attached, zero
+    gradient) and the metrics of an unchanged policy, like every other loss here.
+
     Returns:
       ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` computed
       on the *sequences* (one entry per non-empty sequence: ``log_ratio/*`` are quantiles
       of :math:`\log s_i`, ``clip_frac/*`` fractions of sequences), with ``sequences``
       (non-empty count) and ``tokens`` (valid tokens).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    seq_adv = _sequence_advantages(x.advantages, x.mask)
-    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask)  # [B], attached
-    nonempty = x.mask.any(-1)
-    seq_adv = torch.where(nonempty, seq_adv, torch.zeros_like(seq_adv))
-    j, _ = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)
-    term = (-j)[:, None].expand(x.mask.shape)
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(
-        log_s.detach()[:, None], seq_adv[:, None], nonempty[:, None], eps_low=eps_low, eps_high=eps_high
-    )
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
+    log_s = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
+    j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
+    loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+    with torch.no_grad():
+        nonempty = (x.lengths > 0)[:, None]
+        nf = nonempty.to(x.lengths.dtype)
+        metrics = _fast_policy_metrics(
+            log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum(), lo_b=lo_b, hi_b=hi_b
+        )
     metrics["sequences"] = metrics.pop("tokens")
-    metrics["tokens"] = x.mask.sum().to(metrics["sequences"].dtype)
+    metrics["tokens"] = x.tokens.detach().to(metrics["sequences"].dtype)
     return LossResult(loss, metrics)
 
 
@@ -156,14 +138,15 @@ def gspo_token_loss(
       ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` on the
       per-token ratio :math:`s_{i,t}` and per-token advantages (token fractions).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask).detach()
-    carrier_log = x.logp - x.logp.detach()  # value 0, gradient d logp
-    log_ratio = _checks.fill_masked(log_s[:, None] + carrier_log, x.mask)
-    surrogate, _ = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
-    loss = aggregate(-surrogate, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(log_ratio.detach(), x.advantages, x.mask, eps_low=eps_low, eps_high=eps_high)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    with torch.no_grad():
+        log_s = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)
+        z = log_s[:, None] * x.maskf  # the value of log s_{i,t}: log s_i at valid tokens, 0 elsewhere
+    log_ratio = z + (x.logp - x.logp.detach())  # carrier: value 0, gradient d logp (0 where masked)
+    surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
+    loss = aggregate_tokens(-surrogate, x, aggregation, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     return LossResult(loss, metrics)
 
 

@@ -1,57 +1,16 @@
 r"""REINFORCE: the likelihood-ratio policy gradient as a loss (spec §2, §4, §5).
 
-Also holds the input preparation shared by every policy loss in this package: validate,
-detach the evidence, and zero the masked slots *before* any nonlinear operation.
+Input preparation shared by every policy loss (validate, detach the evidence, zero the
+masked slots *before* any nonlinear operation) lives in :mod:`._common`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from .. import _checks
-from ..aggregate import MODES, aggregate
 from ..types import LossResult
-
-
-class _Inputs(NamedTuple):
-    logp: torch.Tensor  # [B, L] attached, 0 at masked positions
-    mask: torch.Tensor  # [B, L] bool
-    advantages: torch.Tensor  # [B, L] detached, 0 at masked positions
-    behaviour: Optional[torch.Tensor]  # [B, L] detached, 0 at masked positions
-
-
-def _prepare(
-    logp,
-    mask,
-    advantages,
-    *,
-    aggregation: str,
-    behaviour=None,
-    behaviour_name: Optional[str] = None,
-) -> _Inputs:
-    """Validate and sanitize the inputs of a policy loss (see module docstring)."""
-    _checks.check_choice("aggregation", aggregation, MODES)
-    logp = _checks.as_tensor("logp", logp)
-    _checks.check_ndim("logp", logp, 2)
-    _checks.check_floating("logp", logp)
-    mask = _checks.check_mask("mask", mask, logp.shape)
-    shape = tuple(logp.shape)
-    logp = _checks.per_token("logp", logp, shape, mask)
-    adv = _checks.as_tensor("advantages", advantages).detach()
-    _checks.check_ndim("advantages", adv, (1, 2))
-    adv = _checks.per_token("advantages", adv, shape, mask, allow_per_sequence=True)
-    beh = None
-    if behaviour_name is not None:
-        if behaviour is None:
-            raise ValueError(f"{behaviour_name}: required, got None")
-        beh = _checks.as_tensor(behaviour_name, behaviour).detach()
-        beh = _checks.per_token(behaviour_name, beh, shape, mask)
-    return _Inputs(logp, mask, adv, beh)
-
-
-def _token_count(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return mask.sum().to(dtype)
+from ._common import aggregate_tokens, prepare
 
 
 def reinforce_loss(
@@ -92,11 +51,11 @@ def reinforce_loss(
       ``LossResult(loss, metrics)``; metrics ``tokens``, ``advantage/mean``,
       ``logp/mean`` (valid-token means, detached).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation)
+    x = prepare(logp, mask, advantages, aggregation=aggregation)
     term = -x.advantages * x.logp
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
+    loss = aggregate_tokens(term, x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
-        n = _token_count(x.mask, x.logp.dtype)
+        n = x.tokens
         d = n.clamp_min(1)
         metrics = {
             "tokens": n,

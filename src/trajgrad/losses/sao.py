@@ -12,11 +12,9 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import policy_metrics
 from ..types import LossResult
+from ._common import aggregate_tokens, prepare, ratio_metrics
 from .ppo import _clip_bounds
-from .reinforce import _prepare
 
 RATIO_GRADIENTS = ("detached", "attached")
 
@@ -95,28 +93,30 @@ def sao_dis_loss(
       ``trust/accepted``, ``trust/rejected_low`` (:math:`r\le1-\epsilon_l`),
       ``trust/rejected_high`` (:math:`r\ge1+\epsilon_h`), fractions of valid tokens.
     """
-    x = _prepare(
-        logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
-    )
     _checks.check_choice("ratio_gradient", ratio_gradient, RATIO_GRADIENTS)
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    log_ratio = _checks.fill_masked(x.logp - x.behaviour, x.mask)
+    x = prepare(
+        logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
+    )
+    log_ratio = x.logp - x.behaviour  # finite, 0 at masked positions
     z = log_ratio.detach()
-    trusted = (z > lo_b) & (z < hi_b) & x.mask
-    # The ratio is formed only where trusted (elsewhere its weight is 0 by selection).
-    ratio = torch.exp(torch.where(trusted, log_ratio, torch.zeros_like(log_ratio)))
-    weight = torch.where(trusted, ratio, torch.zeros_like(ratio))
-    if ratio_gradient == "detached":
-        weight = weight.detach()
-    term = -weight * x.advantages * x.logp
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(z, x.advantages, x.mask)
+    with torch.no_grad():
+        rej_low = (z <= lo_b) & x.mask
+        rej_high = z >= hi_b  # z = 0 < hi_b at masked positions
+        trusted_f = x.maskf - rej_low.to(z.dtype) - rej_high.to(z.dtype)
+    # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
+    # rejected token's weight is a finite value times 0.
+    ratio = torch.exp(torch.clamp(log_ratio if ratio_gradient == "attached" else z, max=hi_b))
+    weight = ratio * trusted_f
+    term = -(weight * x.advantages) * x.logp
+    loss = aggregate_tokens(term, x, aggregation, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
-        n = x.mask.sum().clamp_min(1).to(dt)
-        metrics["trust/accepted"] = trusted.sum().to(dt) / n
-        metrics["trust/rejected_low"] = (x.mask & (z <= lo_b)).sum().to(dt) / n
-        metrics["trust/rejected_high"] = (x.mask & (z >= hi_b)).sum().to(dt) / n
+        n = metrics["tokens"].clamp_min(1)
+        metrics["trust/accepted"] = trusted_f.sum().to(dt) / n
+        metrics["trust/rejected_low"] = rej_low.sum().to(dt) / n
+        metrics["trust/rejected_high"] = rej_high.sum().to(dt) / n
     return LossResult(loss, metrics)
 
 
