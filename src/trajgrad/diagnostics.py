@@ -152,7 +152,7 @@ def _sampled_quantiles(z: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Te
     flat_m = mask.reshape(-1)
     if flat_z.numel() > QUANTILE_POSITIONS:
         idx = _sample_positions(flat_z.numel(), flat_z.device)
-        valid = flat_z[idx][flat_m[idx]]
+        valid = torch.take(flat_z, idx)[torch.take(flat_m, idx)]
         if valid.numel() == 0:  # the sample missed every valid token: use them all
             valid = flat_z[flat_m]
     else:

@@ -214,4 +214,30 @@ def ratio_metrics(
     )
 
 
-__all__ = ["Inputs", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics"]
+
+
+def token_weights(weights, x: Inputs, name: str = "weights") -> Optional[torch.Tensor]:
+    """Validate optional per-token weights ``[B, L]`` (detached, finite at valid slots; 0 where masked)."""
+    if weights is None:
+        return None
+    w = _checks.as_tensor(name, weights).detach()
+    _checks.check_floating(name, w)
+    _checks.check_shape(name, w, tuple(x.mask.shape), against="mask")
+    w = w.to(x.logp.dtype)
+    if bool(torch.isfinite(w.sum())):
+        return w * x.maskf
+    _checks.check_finite(name, w, x.mask)
+    return _checks.fill_masked(w, x.mask)
+
+
+def weighted(term: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """``term * w`` (``w`` from :func:`token_weights`, finite), or ``term`` when ``w`` is None."""
+    return term if w is None else term * w
+
+
+WEIGHTS_DOC = """weights: optional ``[B, L]`` per-token multiplier of the per-token term before
+        aggregation (detached; e.g. :attr:`trajgrad.correction.Correction.weight`). A token
+        with weight 0 leaves the numerator but keeps its place in the denominator."""
+
+__all__ = ["Inputs", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",
+           "token_weights", "weighted"]

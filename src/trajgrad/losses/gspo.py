@@ -13,7 +13,9 @@ import torch
 
 from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
-from ._common import aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages
+from ._common import (
+    aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
+)
 from .ppo import _clip_bounds, _clipped_surrogate
 
 
@@ -25,6 +27,7 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -61,6 +64,9 @@ def gspo_loss(
       mask: ``[B, L]`` action mask.
       eps_low, eps_high: clip range on :math:`s_i`; defaults ``3e-4`` / ``4e-4`` are the
         GSPO paper's (tiny, because :math:`s_i` is a per-token geometric mean).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's :math:`\frac1G\sum_i`).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
 
@@ -78,7 +84,11 @@ def gspo_loss(
     seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
     log_s = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
     j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
-    loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+    w = token_weights(weights, x)
+    if w is None:
+        loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+    else:  # the response term spread over its tokens, each weighted
+        loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         nonempty = (x.lengths > 0)[:, None]
         nf = nonempty.to(x.lengths.dtype)
@@ -98,6 +108,7 @@ def gspo_token_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -130,6 +141,9 @@ def gspo_token_loss(
       logp, old_logp, mask: as in :func:`gspo_loss`.
       advantages: ``[B, L]`` per token or ``[B]`` (detached here).
       eps_low, eps_high: GSPO paper defaults ``3e-4`` / ``4e-4``.
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's token average inside
         each response, then the mean over responses).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -145,7 +159,8 @@ def gspo_token_loss(
         z = log_s[:, None] * x.maskf  # the value of log s_{i,t}: log s_i at valid tokens, 0 elsewhere
     log_ratio = z + (x.logp - x.logp.detach())  # carrier: value 0, gradient d logp (0 where masked)
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
-    loss = aggregate_tokens(-surrogate, x, aggregation, constant=constant, denominator=denominator)
+    loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant,
+                            denominator=denominator)
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     return LossResult(loss, metrics)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..diagnostics import _log_bound
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, ratio_metrics
+from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 
 
 def _clip_bounds(eps_low: float, eps_high: Optional[float]) -> Tuple[float, float, float, float]:
@@ -88,6 +88,7 @@ def ppo_clip_loss(
     eps_low: float = 0.2,
     eps_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -129,6 +130,9 @@ def ppo_clip_loss(
       eps_low: lower clip :math:`\epsilon_l\in(0,1]`.
       eps_high: upper clip :math:`\epsilon_h>0`; default ``eps_low``.
       dual_clip: :math:`c>1`, or ``None`` for no dual clip.
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the §8/§23 code: ``masked_mean``; also DAPO's
         token-level loss). GRPO's paper uses ``"seq_mean_token_mean"``.
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -144,7 +148,7 @@ def ppo_clip_loss(
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     log_ratio = x.logp - x.behaviour  # exactly 0 at masked positions
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b, c)
-    loss = aggregate_tokens(-surrogate, x, aggregation, constant=constant, denominator=denominator)
+    loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     with torch.no_grad():

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare
+from ._common import aggregate_tokens, prepare, token_weights, weighted
 
 
 def reinforce_loss(
@@ -18,6 +18,7 @@ def reinforce_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -42,6 +43,9 @@ def reinforce_loss(
       logp: ``[B, L]`` log-probs of the target tokens under the trained policy (attached).
       advantages: ``[B, L]`` per token or ``[B]`` per sequence (broadcast); detached here.
       mask: ``[B, L]`` 0/1, 1 = action token sampled by the policy (§4).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: see :mod:`trajgrad.aggregate`. Default ``"token_mean"``: the §4 code
         (``sum / action_mask.sum()``), every action token weighs the same.
       constant: :math:`C` for ``"seq_sum_constant"``.
@@ -53,7 +57,7 @@ def reinforce_loss(
     """
     x = prepare(logp, mask, advantages, aggregation=aggregation)
     term = -x.advantages * x.logp
-    loss = aggregate_tokens(term, x, aggregation, constant=constant, denominator=denominator)
+    loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         n = x.tokens
         d = n.clamp_min(1)

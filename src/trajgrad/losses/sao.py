@@ -13,7 +13,7 @@ import torch
 
 from .. import _checks
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, ratio_metrics
+from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 from .ppo import _clip_bounds
 
 RATIO_GRADIENTS = ("detached", "attached")
@@ -28,6 +28,7 @@ def sao_dis_loss(
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     ratio_gradient: str = "detached",
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -83,6 +84,9 @@ def sao_dis_loss(
         0.3 / 5.0 are the paper's reasoning setting (coding: 0.8 / 3.0); these wide
         intervals are not PPO clip values.
       ratio_gradient: ``"detached"`` or ``"attached"`` (see above).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the spec's minimal code divides by
         ``action_mask.sum()``; SAO trains token-level with a critic).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -109,7 +113,7 @@ def sao_dis_loss(
     ratio = torch.exp(torch.clamp(log_ratio if ratio_gradient == "attached" else z, max=hi_b))
     weight = ratio * trusted_f
     term = -(weight * x.advantages) * x.logp
-    loss = aggregate_tokens(term, x, aggregation, constant=constant, denominator=denominator)
+    loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype

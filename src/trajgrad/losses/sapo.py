@@ -12,7 +12,9 @@ import torch
 from .. import _checks
 from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
-from ._common import aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages
+from ._common import (
+    aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
+)
 
 
 def _check_tau(name: str, tau: float) -> float:
@@ -49,6 +51,7 @@ def sapo_loss(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     level: str = "token",
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -107,6 +110,9 @@ def sapo_loss(
       tau_pos, tau_neg: positive temperatures (paper defaults 1.0 / 1.05).
       level: ``"token"`` (the paper's SAPO, default) or ``"sequence"`` (gate on
         :math:`s_i`).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's objective above).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
 
@@ -134,8 +140,12 @@ def sapo_loss(
         tau = posf * tp + (1.0 - posf) * tn  # exact: one of the two products is 0
     f, p = _gate(log_ratio, tau)
     term = -(f * adv)  # 0 at masked slots / empty rows (A = 0 there)
+    w = token_weights(weights, x)
     if level == "sequence":
-        loss = aggregate_sequences(term, x, aggregation, constant=constant, denominator=denominator)
+        if w is None:
+            loss = aggregate_sequences(term, x, aggregation, constant=constant, denominator=denominator)
+        else:  # the response term spread over its tokens, each weighted
+            loss = aggregate_tokens(term[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
         with torch.no_grad():
             nonempty = (x.lengths > 0)[:, None]
             metrics = _fast_policy_metrics(log_ratio.detach()[:, None], adv[:, None], nonempty, valid_f[:, None],
@@ -144,7 +154,7 @@ def sapo_loss(
         metrics["tokens"] = x.tokens.detach()
         count = metrics["sequences"]
     else:
-        loss = aggregate_tokens(term, x, aggregation, constant=constant, denominator=denominator)
+        loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
         metrics = ratio_metrics(log_ratio.detach(), x)
         count = metrics["tokens"]
     with torch.no_grad():

@@ -1,0 +1,241 @@
+r"""Clip-Cov and KL-Cov: act on the few tokens whose covariance drives entropy collapse (§8).
+
+Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+Models" (arXiv:2505.22617). For softmax policies the change of policy entropy under a
+policy-gradient step is, to first order, minus the covariance between a token's
+log-probability and its advantage. Few tokens carry a large positive covariance
+(confident *and* rewarded); they collapse entropy. Over the valid tokens of the batch
+(detached, means over valid tokens):
+
+.. math::
+    \operatorname{Cov}_t=(\ell_t-\bar\ell)\,(\hat A_t-\bar A).
+
+* **Clip-Cov**: among the tokens not already clipped by PPO whose covariance lies in
+  :math:`(\omega_{low},\omega_{high})`, pick :math:`k=\max(1,\lfloor rN\rfloor)` *at
+  random* (``N`` valid tokens) and detach their gradient; the rest is the PPO clipped
+  surrogate (§8).
+* **KL-Cov**: the :math:`k=\max(1,\lfloor rN\rfloor)` tokens of *largest* covariance get
+  the unclipped surrogate plus a penalty :math:`\beta|\ell^\theta_t-\ell^{old}_t|`; all
+  other tokens get the unclipped surrogate :math:`-r_t\hat A_t`.
+
+Selection is a function of the detached inputs only (and, for Clip-Cov, the generator):
+the same inputs and seed select the same tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _checks
+from ..types import LossResult
+from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
+from .ppo import _clip_bounds, _clipped_surrogate
+
+
+def _covariance(x: Inputs) -> torch.Tensor:
+    """``[B, L]`` detached covariance term; 0 at masked slots."""
+    with torch.no_grad():
+        n = x.tokens.clamp_min(1)
+        lp = x.logp.detach()
+        lbar = lp.sum() / n
+        abar = x.advantages.sum() / n
+        return (lp - lbar) * (x.advantages - abar) * x.maskf
+
+
+def _count(x: Inputs, ratio: float) -> int:
+    n = int(x.tokens.item())
+    return 0 if n == 0 else max(1, int(math.floor(ratio * n)))
+
+
+def _check_ratio(name: str, value: float) -> float:
+    v = float(value)
+    _checks.check_in_range(name, v, 0.0, 1.0, inclusive=(False, True))
+    return v
+
+
+def _select(candidates: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool ``[B, L]``: the ``k`` candidates of largest key (all of them if fewer)."""
+    flat = torch.where(candidates.reshape(-1), keys.reshape(-1), torch.full_like(keys.reshape(-1), -math.inf))
+    out = torch.zeros_like(candidates.reshape(-1))
+    k = min(k, int(candidates.sum()))
+    if k > 0:
+        idx = torch.topk(flat, k, sorted=False).indices
+        out[idx] = True
+    return out.reshape(candidates.shape)
+
+
+def clip_cov_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    clip_ratio: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    generator: Optional[torch.Generator] = None,
+    seed: int = 0,
+    weights: Optional[torch.Tensor] = None,
+    aggregation: str = "token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""Clip-Cov: PPO with the gradient of a few random high-covariance tokens detached (Cui et al. 2025).
+
+    .. math::
+        \mathcal L=-\operatorname{agg}_t\begin{cases}\mathrm{sg}[s_t],&t\in S\\
+        s_t,&\text{otherwise}\end{cases},\qquad
+        s_t=\min\big(r_t\hat A_t,\operatorname{clip}(r_t,1-\epsilon_l,1+\epsilon_h)\hat A_t\big),
+
+    where :math:`S` is a uniformly random subset of size
+    :math:`\min(k,|C|)`, :math:`k=\max(1,\lfloor\text{clip\_ratio}\cdot N\rfloor)`, of the
+    candidates :math:`C=\{t:\ \omega_{low}<\operatorname{Cov}_t<\omega_{high},\ t\text{ not
+    clipped by PPO}\}` (covariance in the module docstring). Tokens in :math:`S` keep
+    their value in the loss and lose their gradient; every other token has the PPO
+    gradient :math:`\hat A_tr_t\nabla\ell_t` where active (§8). (verl multiplies the
+    selected terms by 0, which also drops their value; the gradient is the same.)
+
+    Paper defaults: ``clip_ratio`` :math:`2\times10^{-4}`, :math:`(\omega_{low},
+    \omega_{high})=(1,5)`, PPO :math:`\epsilon=0.2`.
+
+    **Determinism.** The random subset is drawn with ``generator`` (a CPU
+    ``torch.Generator``), or with a fresh generator seeded by ``seed`` when none is given:
+    the same inputs and seed always select the same tokens. Pass a generator advanced
+    across steps to draw different subsets each step.
+
+    Args:
+      logp, old_logp: ``[B, L]`` current (attached) and old (detached) log-probs.
+      advantages: ``[B, L]`` or ``[B]`` (detached).
+      mask: ``[B, L]`` action mask.
+      eps_low, eps_high: PPO clip range (``eps_high`` defaults to ``eps_low``).
+      clip_ratio: fraction :math:`r\in(0,1]` of valid tokens to detach.
+      cov_low, cov_high: the covariance window :math:`\omega_{low}<\omega_{high}`.
+      generator, seed: the random source of the selection.
+      weights: optional ``[B, L]`` detached per-token multiplier.
+      aggregation: default ``"token_mean"``.
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; PPO's metrics (:func:`trajgrad.diagnostics.policy_metrics`) plus
+      ``cov/selected_frac`` (fraction of valid tokens detached), ``cov/candidates_frac``,
+      ``cov/mean`` and ``cov/max`` (of :math:`\operatorname{Cov}_t` over valid tokens).
+    """
+    eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    r = _check_ratio("clip_ratio", clip_ratio)
+    lo_c, hi_c = float(cov_low), float(cov_high)
+    if not (math.isfinite(lo_c) and math.isfinite(hi_c)) or not lo_c < hi_c:
+        raise ValueError(f"cov_low: need finite cov_low < cov_high, got ({cov_low}, {cov_high})")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    w = token_weights(weights, x)
+    log_ratio = x.logp - x.behaviour
+    surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
+    cov = _covariance(x)
+    with torch.no_grad():
+        z = log_ratio.detach()
+        clipped = ((x.advantages > 0) & (z > hi_b)) | ((x.advantages < 0) & (z < lo_b))
+        candidates = x.mask & ~clipped & (cov > lo_c) & (cov < hi_c)
+        g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
+        keys = torch.rand(x.mask.shape, generator=g, dtype=torch.float64).to(cov.device)
+        selected = _select(candidates, keys, _count(x, r))
+        sel_f = selected.to(surrogate.dtype)
+    surrogate = surrogate * (1.0 - sel_f) + surrogate.detach() * sel_f
+    loss = aggregate_tokens(weighted(-surrogate, w), x, aggregation, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
+    _cov_metrics(metrics, cov, x, selected, candidates)
+    return LossResult(loss, metrics)
+
+
+def _cov_metrics(metrics, cov, x, selected, candidates=None) -> None:
+    with torch.no_grad():
+        dt = metrics["tokens"].dtype
+        n = metrics["tokens"].clamp_min(1)
+        metrics["cov/selected_frac"] = selected.sum().to(dt) / n
+        if candidates is not None:
+            metrics["cov/candidates_frac"] = candidates.sum().to(dt) / n
+        metrics["cov/mean"] = cov.sum().to(dt) / n
+        pen = (1.0 - x.maskf) * 1e30
+        metrics["cov/max"] = (
+            torch.where(x.tokens > 0, (cov - pen).amax(), torch.zeros(())).to(dt)
+            if cov.numel() else torch.zeros((), dtype=dt)
+        )
+
+
+def kl_cov_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_ratio: float = 2e-3,
+    kl_coef: float = 1.0,
+    weights: Optional[torch.Tensor] = None,
+    aggregation: str = "token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""KL-Cov: a KL penalty on the top-covariance tokens, no clipping (Cui et al. 2025).
+
+    .. math::
+        \mathcal L=\operatorname{agg}_t\begin{cases}-r_t\hat A_t+\beta\,|z_t|,&t\in T\\
+        -r_t\hat A_t,&\text{otherwise}\end{cases},\qquad z_t=\ell^\theta_t-\ell^{old}_t,
+
+    :math:`T` the :math:`k=\max(1,\lfloor\text{kl\_ratio}\cdot N\rfloor)` valid tokens of
+    largest :math:`\operatorname{Cov}_t` (module docstring; ties broken by
+    ``torch.topk``, deterministic for given inputs). Gradient per token:
+
+    .. math::
+        \nabla_\theta\mathcal L_t=\big(-r_t\hat A_t+\beta\,\mathbb 1[t\in T]\,
+        \operatorname{sign}(z_t)\big)\nabla_\theta\ell^\theta_t
+
+    (:math:`\operatorname{sign}(0)=0`). The penalty :math:`|z|` is the absolute sampled
+    log ratio, the paper's choice (a symmetric, always non-negative per-token KL proxy).
+    Paper defaults: ``kl_ratio`` :math:`2\times10^{-3}` (7B; :math:`2\times10^{-4}` for
+    32B), :math:`\beta=1`.
+
+    Args:
+      logp, old_logp: ``[B, L]`` current (attached) and old (detached) log-probs.
+      advantages: ``[B, L]`` or ``[B]`` (detached).
+      mask: ``[B, L]`` action mask.
+      kl_ratio: fraction :math:`\in(0,1]` of valid tokens penalized.
+      kl_coef: :math:`\beta\ge0`.
+      weights: optional ``[B, L]`` detached per-token multiplier.
+      aggregation: default ``"token_mean"``.
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; :func:`trajgrad.diagnostics.policy_metrics` (no clip fractions)
+      plus ``cov/selected_frac``, ``cov/mean``, ``cov/max`` and ``kl_cov/penalty`` (the
+      valid-token mean of :math:`\beta|z_t|` over :math:`T`).
+    """
+    r = _check_ratio("kl_ratio", kl_ratio)
+    beta = float(kl_coef)
+    _checks.check_positive("kl_coef", beta, allow_zero=True)
+    if not math.isfinite(beta):
+        raise ValueError(f"kl_coef: must be finite, got {kl_coef}")
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    w = token_weights(weights, x)
+    log_ratio = x.logp - x.behaviour
+    cov = _covariance(x)
+    with torch.no_grad():
+        selected = _select(x.mask, cov, _count(x, r))
+        sel_f = selected.to(log_ratio.dtype)
+        zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
+    ratio = torch.exp(torch.clamp(log_ratio, max=zmax))
+    penalty = beta * log_ratio.abs() * sel_f
+    term = -(ratio * x.advantages) + penalty
+    loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+    z = log_ratio.detach()
+    metrics = ratio_metrics(z, x)
+    _cov_metrics(metrics, cov, x, selected)
+    with torch.no_grad():
+        metrics["kl_cov/penalty"] = penalty.detach().sum().to(metrics["tokens"].dtype) / metrics["tokens"].clamp_min(1)
+    return LossResult(loss, metrics)
+
+
+__all__ = ["clip_cov_loss", "kl_cov_loss"]
