@@ -32,12 +32,28 @@ def explain(
     recipe: Optional[str] = typer.Argument(None, help="Recipe name, or a training config YAML. Omit with --all."),
     all_: bool = typer.Option(False, "--all", help="Explain every recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: key=value (repeatable)."),
+    diff: Optional[str] = typer.Option(None, "--diff", help="A second recipe or config: print the two term by term."),
 ) -> None:
-    """Print the exact estimator a recipe (or a config) optimizes."""
-    from .objective import RECIPES, explain as explain_fn
+    """Print the exact estimator a recipe (or a config) optimizes; with --diff, what differs between two."""
+    from .objective import RECIPES, explain as explain_fn, explain_diff
 
     overrides = _parse_sets(set_)
+
+    def resolve(name: str):
+        if name.endswith((".yaml", ".yml")):
+            from .train.config import load_config
+
+            return load_config(name, overrides=overrides).objective()
+        from .objective import get_recipe
+
+        return get_recipe(name, **overrides)
+
     try:
+        if diff is not None:
+            if recipe is None:
+                raise ValueError("recipe: --diff needs two recipes or configs: trajgrad explain A --diff B")
+            typer.echo(explain_diff(resolve(recipe), resolve(diff)))
+            return
         if all_ or recipe is None:
             names = list(RECIPES)
             texts = [explain_fn(n) for n in names]

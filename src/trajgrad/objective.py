@@ -3,30 +3,56 @@ r"""Recipes as data: an :class:`Objective` states every choice that defines an u
 A recipe is a frozen record of the decisions that words like "normalize", "clip" or
 "distill" hide: which advantage estimator (§5, §6, §11, §12, §20.4), which importance ratio
 (§7, §17), how it is clipped or gated (§8, §18, §20.2), how per-token terms are aggregated
-(§13), where KL to the reference enters (§9) and what is detached. :meth:`Objective.loss`
-computes the loss *only* through the core functions, and :func:`explain` prints the exact
-estimator from the same fields, so what is printed is what is optimized.
+(§13), where KL to the reference enters (§9), the entropy bonus, and what is detached.
 
-``RECIPES`` holds the twelve named recipes with the defaults of their papers; any field can
-be overridden with :meth:`Objective.replace` (the trainer's config does exactly that).
+``Objective.loss`` names a policy term and ``Objective.advantage`` an advantage estimator,
+both entries of the registries in :mod:`trajgrad.registry` (built-ins in
+:mod:`trajgrad.terms` and :mod:`trajgrad.estimators`). :meth:`Objective.policy_loss`
+computes the loss *only* through those entries, and :func:`explain` prints the estimator from
+the same entries and fields, so what is printed is what is optimized: a field that the
+chosen entries do not read cannot be changed (``replace`` refuses it), and every field that
+is read is printed.
+
+``RECIPES`` (:mod:`trajgrad.recipes`) holds the named recipes with the defaults of their
+papers; :func:`explain_diff` prints two recipes side by side, term by term.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from . import _checks
 from .aggregate import MODES, aggregate
+from .registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_TERMS,
+    AdvantageEstimator,
+    PolicyInputs,
+    PolicyTerm,
+    register_advantage_estimator,
+    register_policy_term,
+)
 from .types import LossResult
 
-LOSSES = ("reinforce", "ppo", "gspo", "gspo_token", "sapo", "sao", "opd", "dpo")
-ADVANTAGES = ("return", "group_std", "group_center", "batch_std", "leave_one_out", "gae", "none")
 KL_PLACEMENTS = ("none", "reward", "loss")
 KL_KINDS = ("k1", "k2", "k3")
+# fields every recipe reads (the rest are read only by the entries or modes that declare them)
+_ALWAYS = ("name", "loss", "advantage", "aggregation", "kl_placement", "entropy_coef", "group_size", "paper")
+# fields that set the training schedule, not the value of one loss evaluation
+SCHEDULE_FIELDS = ("group_size", "dynamic_sampling", "critic_updates")
+
+
+def _finite_positive(name: str, value, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    _checks.check_positive(name, value, allow_zero=allow_zero)
 
 
 @dataclass(frozen=True)
@@ -35,8 +61,9 @@ class Objective:
 
     Attributes:
       name: recipe name.
-      loss: policy term, one of :data:`LOSSES`.
-      advantage: advantage estimator, one of :data:`ADVANTAGES`:
+      loss: policy term, a key of :data:`trajgrad.registry.POLICY_TERMS` (``reinforce``,
+        ``ppo``, ``gspo``, ``gspo_token``, ``sapo``, ``sao``, ``opd``, ``dpo``, ...).
+      advantage: advantage estimator, a key of :data:`trajgrad.registry.ADVANTAGE_ESTIMATORS`:
         ``return`` (raw return, §2), ``group_std`` (GRPO, §11), ``group_center`` (Dr. GRPO,
         §12), ``batch_std`` (centred per group, scaled by the batch std), ``leave_one_out``
         (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4), ``none``
@@ -45,7 +72,7 @@ class Objective:
       constant: Dr. GRPO's constant normalizer (``seq_sum_constant``); ``None`` = the padded
         generation length.
       eps_low, eps_high: clip range of the ratio (PPO/GRPO/DAPO/GSPO) or the trust interval
-        (SAO); ``eps_high`` ``None`` means ``eps_low``.
+        (SAO); ``eps_high`` ``None`` means ``eps_low``. ``eps_low`` lies in (0, 1).
       dual_clip: dual-clip constant c > 1 for negative advantages (``None`` = off).
       tau_pos, tau_neg: SAPO temperatures (§18).
       ratio_gradient: SAO's ``"detached"`` or ``"attached"`` ratio (§20.2).
@@ -57,11 +84,12 @@ class Objective:
       group_size: rollouts per prompt (1 for single-rollout methods).
       dynamic_sampling: resample groups with zero reward variance (DAPO, §11); every
         discarded group and its generation cost are logged.
-      critic: the recipe trains a value function (PPO, SAO).
+      critic: the recipe trains a value function (exactly when its estimator needs one).
       critic_updates: K critic updates per actor update (SAO §20.3).
-      value_clip: PPO value-clipping range (``None`` = off).
-      vf_coef: weight of the value loss when it shares the backward pass.
-      entropy_coef: entropy bonus weight (0 = off).
+      value_clip: PPO value-clipping range (``None`` = off); the critic's loss is
+        :meth:`value_loss`, in its own backward pass and optimizer.
+      entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
+        where ``H`` is the exact entropy of the full sampling distribution (0 = off).
       paper: the reference the defaults come from.
     """
 
@@ -88,71 +116,146 @@ class Objective:
     critic: bool = False
     critic_updates: int = 1
     value_clip: Optional[float] = None
-    vf_coef: float = 0.5
     entropy_coef: float = 0.0
     paper: str = ""
 
     def __post_init__(self) -> None:
-        _checks.check_choice("loss", self.loss, LOSSES)
-        _checks.check_choice("advantage", self.advantage, ADVANTAGES)
+        _checks.check_choice("loss", self.loss, tuple(POLICY_TERMS))
+        _checks.check_choice("advantage", self.advantage, tuple(ADVANTAGE_ESTIMATORS))
         _checks.check_choice("aggregation", self.aggregation, MODES)
         _checks.check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
         _checks.check_choice("kl_kind", self.kl_kind, KL_KINDS)
         _checks.check_choice("ratio_gradient", self.ratio_gradient, ("detached", "attached"))
-        _checks.check_positive("eps_low", self.eps_low)
+        _finite_positive("eps_low", self.eps_low)
+        if "eps_low" in self.term.fields and not self.eps_low < 1:
+            raise ValueError(f"eps_low: must lie in (0, 1) (the lower bound 1 − eps_low must be positive), got {self.eps_low}")
         if self.eps_high is not None:
-            _checks.check_positive("eps_high", self.eps_high)
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip: must be > 1, got {self.dual_clip}")
-        _checks.check_positive("tau_pos", self.tau_pos)
-        _checks.check_positive("tau_neg", self.tau_neg)
-        _checks.check_positive("beta", self.beta)
-        _checks.check_positive("kl_coef", self.kl_coef, allow_zero=True)
-        _checks.check_in_range("gamma", self.gamma, 0.0, 1.0)
-        _checks.check_in_range("lam", self.lam, 0.0, 1.0)
-        _checks.check_positive("std_eps", self.std_eps, allow_zero=True)
-        if self.group_size < 1:
-            raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
-        if self.advantage in ("group_std", "group_center", "batch_std") and self.group_size < 2:
-            raise ValueError(f"group_size: advantage {self.advantage!r} needs groups of >= 2, got {self.group_size}")
-        if self.advantage == "leave_one_out" and self.group_size < 2:
-            raise ValueError(f"group_size: leave-one-out needs groups of >= 2, got {self.group_size}")
+            _finite_positive("eps_high", self.eps_high)
+        if self.dual_clip is not None:
+            _finite_positive("dual_clip", self.dual_clip)
+            if not self.dual_clip > 1:
+                raise ValueError(f"dual_clip: must be > 1, got {self.dual_clip}")
+        for f in ("tau_pos", "tau_neg", "beta"):
+            _finite_positive(f, getattr(self, f))
+        _finite_positive("kl_coef", self.kl_coef, allow_zero=True)
+        _finite_positive("std_eps", self.std_eps, allow_zero=True)
+        _finite_positive("entropy_coef", self.entropy_coef, allow_zero=True)
+        for f in ("gamma", "lam"):
+            _finite_positive(f, getattr(self, f), allow_zero=True)
+            _checks.check_in_range(f, getattr(self, f), 0.0, 1.0)
+        if self.constant is not None:
+            _finite_positive("constant", self.constant)
+        if self.value_clip is not None:
+            _finite_positive("value_clip", self.value_clip)
+        for f in ("group_size", "critic_updates"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
+        est, term = self.estimator, self.term
+        if self.group_size < est.min_group:
+            raise ValueError(f"group_size: advantage {self.advantage!r} needs groups of >= {est.min_group}, "
+                             f"got {self.group_size}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("dynamic_sampling: needs groups (group_size >= 2)")
         if self.kl_placement == "none" and self.kl_coef != 0:
             raise ValueError("kl_coef: is nonzero but kl_placement is 'none'")
         if self.constant is not None and self.aggregation != "seq_sum_constant":
             raise ValueError("constant: only used with aggregation 'seq_sum_constant'")
-        if self.critic_updates < 1:
-            raise ValueError(f"critic_updates: must be >= 1, got {self.critic_updates}")
-        if self.advantage == "gae" and not self.critic:
-            raise ValueError("critic: advantage 'gae' needs critic=True")
-        _checks.check_positive("entropy_coef", self.entropy_coef, allow_zero=True)
+        if est.needs_critic and not self.critic:
+            raise ValueError(f"critic: advantage {self.advantage!r} needs critic=True")
+        if self.critic and not est.needs_critic:
+            raise ValueError(f"critic: advantage {self.advantage!r} uses no value function; a critic would train unused")
+        if term.kind != "token":
+            if self.kl_placement != "none":
+                raise ValueError(f"kl_placement: loss {self.loss!r} ({term.kind}) takes no KL term; use 'none'")
+            if self.entropy_coef:
+                raise ValueError(f"entropy_coef: loss {self.loss!r} ({term.kind}) takes no entropy bonus")
+            if est.level != "none":
+                raise ValueError(f"advantage: loss {self.loss!r} ({term.kind}) takes no advantage; use 'none'")
+        elif est.level == "none":
+            raise ValueError(f"advantage: loss {self.loss!r} needs an advantage estimator, got 'none'")
+        if term.sequence_advantages and est.level == "token":
+            raise ValueError(f"advantage: loss {self.loss!r} needs one advantage per response, {self.advantage!r} is per token")
+        for check in (term.validate, est.validate):
+            if check is not None:
+                check(self)
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ the entries
+    @property
+    def term(self) -> PolicyTerm:
+        """The policy-term registry entry (``POLICY_TERMS[self.loss]``)."""
+        return POLICY_TERMS[self.loss]
+
+    @property
+    def estimator(self) -> AdvantageEstimator:
+        """The advantage-estimator registry entry (``ADVANTAGE_ESTIMATORS[self.advantage]``)."""
+        return ADVANTAGE_ESTIMATORS[self.advantage]
+
+    @property
+    def kind(self) -> str:
+        """``"token"``, ``"pairwise"`` (DPO-style preference pairs) or ``"distill"`` (OPD)."""
+        return self.term.kind
+
+    @property
+    def ratio_source(self) -> str:
+        """``"none"``, ``"old"`` (recomputed before the update) or ``"behaviour"`` (the sampler's)."""
+        return self.term.ratio
+
+    @property
+    def uses_old_logp(self) -> bool:
+        return self.term.ratio != "none"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_placement != "none" or self.kind == "pairwise"
+
+    @property
+    def advantage_level(self) -> str:
+        """``"sequence"``, ``"token"`` or ``"none"``."""
+        return self.estimator.level
+
     @property
     def eps_high_(self) -> float:
         return self.eps_low if self.eps_high is None else self.eps_high
 
+    def read_fields(self) -> Tuple[str, ...]:
+        """Every field this recipe's loss, advantages or schedule read (the rest have no effect)."""
+        f = list(_ALWAYS) + list(self.term.fields) + list(self.estimator.fields)
+        if self.kl_placement != "none":
+            f += ["kl_coef", "kl_kind"]
+        if self.aggregation == "seq_sum_constant":
+            f.append("constant")
+        if self.critic:
+            f += ["critic", "critic_updates", "value_clip"]
+        if self.group_size > 1 or self.estimator.min_group > 1:
+            f.append("dynamic_sampling")
+        return tuple(dict.fromkeys(f))
+
     def replace(self, **changes: Any) -> "Objective":
-        """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        """A copy with some fields changed (validated again).
+
+        A field that the resulting recipe does not read (for example ``tau_pos`` on a PPO
+        recipe) can only be set to its default: anything else would be printed but never
+        optimized, so it raises ``ValueError`` naming the field.
+        """
+        names = {f.name: f for f in dataclasses.fields(self)}
+        unknown = set(changes) - set(names)
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not a field of Objective")
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        read = set(new.read_fields())
+        for k, v in changes.items():
+            if k not in read and v != names[k].default:
+                raise ValueError(f"{k}: has no effect with loss {new.loss!r}, advantage {new.advantage!r} and "
+                                 f"kl_placement {new.kl_placement!r} (the fields it reads: {', '.join(sorted(read))})")
+        return new
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def uses_old_logp(self) -> bool:
-        return self.loss in ("ppo", "gspo", "gspo_token", "sapo", "sao")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.kl_placement != "none" or self.loss == "dpo"
-
     # ------------------------------------------------------------------ advantages
     def sequence_advantages(self, rewards: torch.Tensor, group_ids: Optional[torch.Tensor] = None):
-        """Per-response advantages from per-response rewards for the group recipes.
+        """Per-response advantages from per-response rewards (sequence-level estimators).
 
         Args:
           rewards: ``[N, G]`` (``N`` prompts × ``G`` rollouts) or ``[M]`` with ``group_ids``.
@@ -160,36 +263,15 @@ class Objective:
           ``trajgrad.baselines.GroupAdvantages`` (advantages in the shape of ``rewards``,
           and the per-group zero-variance flags that dynamic sampling and the logs use).
         """
-        from . import baselines
-
-        if self.advantage == "group_std":
-            return baselines.group_advantages(rewards, scale="std", eps=self.std_eps, group_ids=group_ids)
-        if self.advantage == "group_center":
-            return baselines.group_advantages(rewards, scale="none", eps=self.std_eps, group_ids=group_ids)
-        if self.advantage == "batch_std":
-            return baselines.group_advantages(rewards, scale="batch_std", eps=self.std_eps, group_ids=group_ids)
-        if self.advantage == "leave_one_out":
-            return baselines.group_advantages(
-                rewards, scale="none", eps=self.std_eps, leave_one_out=True, group_ids=group_ids
-            )
-        if self.advantage == "return":
-            r = torch.as_tensor(rewards)
-            return baselines.GroupAdvantages(r.clone(), torch.zeros_like(r), torch.zeros_like(r), torch.zeros(0, dtype=torch.bool))
-        raise ValueError(f"advantage: {self.advantage!r} is not a per-response estimator (use token_advantages)")
+        if self.estimator.level != "sequence":
+            raise ValueError(f"advantage: {self.advantage!r} is not a per-response estimator (use token_advantages)")
+        return self.estimator.call(self, rewards, group_ids)
 
     def token_advantages(self, values, rewards, mask, *, terminated=None, bootstrap_value=None):
-        """Token-level advantages and value targets for critic recipes (§6, §20.4).
-
-        Skip-observation GAE on the ``[B, L]`` transcript: mask-0 spans (prompt, tool
-        observations, padding) are bridged, never decayed through.
-        """
-        from . import returns
-
-        if self.advantage != "gae":
-            raise ValueError(f"advantage: token_advantages needs 'gae', recipe uses {self.advantage!r}")
-        return returns.token_skip_observation_gae(
-            values, rewards, mask, gamma=self.gamma, lam=self.lam, terminated=terminated, bootstrap_value=bootstrap_value
-        )
+        """Token-level advantages and value targets for critic recipes (§6, §20.4)."""
+        if self.estimator.level != "token":
+            raise ValueError(f"advantage: token_advantages needs a token-level estimator, recipe uses {self.advantage!r}")
+        return self.estimator.call(self, values, rewards, mask, terminated, bootstrap_value)
 
     def kl_in_reward(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Per-token KL penalty ``kl_coef * k(logp, ref_logp)`` to subtract from rewards (§9).
@@ -205,18 +287,7 @@ class Objective:
     # ------------------------------------------------------------------ the loss
     def loss_fn(self):
         """The core loss function this recipe calls (for introspection and ``verify``)."""
-        from . import losses
-
-        return {
-            "reinforce": losses.reinforce_loss,
-            "ppo": losses.ppo_clip_loss,
-            "gspo": losses.gspo_loss,
-            "gspo_token": losses.gspo_token_loss,
-            "sapo": losses.sapo_loss,
-            "sao": losses.sao_dis_loss,
-            "dpo": losses.dpo_loss,
-            "opd": losses.reverse_kl_distill_loss,
-        }[self.loss]
+        return self.term.fn
 
     def policy_loss(
         self,
@@ -225,125 +296,91 @@ class Objective:
         mask: torch.Tensor,
         *,
         old_logp: Optional[torch.Tensor] = None,
+        behaviour_logp: Optional[torch.Tensor] = None,
         ref_logp: Optional[torch.Tensor] = None,
+        entropy: Optional[torch.Tensor] = None,
         denominator: Optional[Any] = None,
         constant: Optional[float] = None,
     ) -> LossResult:
-        """The recipe's policy loss on one (micro-)batch of token log-probs.
+        r"""The recipe's loss on one (micro-)batch of token log-probs.
 
-        ``loss = policy_term + kl_coef * aggregate(k(logp, ref_logp))`` (KL term only when
-        ``kl_placement == "loss"``), both aggregated with the recipe's mode and the same
-        ``denominator`` so that micro-batches and ranks sum to the full-batch loss (§13).
-        For DPO use :meth:`dpo_loss`; for OPD use :meth:`distill_loss`.
+        .. math::
+            \mathcal L = \operatorname{term}(\log\pi_\theta, \mathrm{sg}[\log\pi_{ratio}], A)
+              + c_{KL}\,\operatorname{agg}(k(\log\pi_\theta, \log\pi_{ref}))
+              - c_H\,\operatorname{agg}(H_\theta)
+
+        The term's ratio is taken against ``old_logp`` (terms with ``ratio="old"``) or
+        ``behaviour_logp`` (``ratio="behaviour"``, falling back to ``old_logp`` when only that
+        is given). The KL term enters only when ``kl_placement == "loss"``; the entropy bonus
+        only when ``entropy_coef > 0``, and then ``entropy`` (the exact per-token entropy of
+        the full sampling distribution, ``[B, L]``, *with* its gradient) is required. Every
+        term uses the recipe's aggregation and the same ``denominator``, so micro-batches and
+        ranks sum to the full-batch loss (§13). DPO: :meth:`dpo_loss`; OPD: :meth:`distill_loss`.
         """
-        from . import losses
+        from .losses import kl_estimate
 
-        if self.loss in ("dpo", "opd"):
-            raise ValueError(f"loss: recipe {self.name!r} is {self.loss}; call {self.loss}_loss on the objective")
-        if self.uses_old_logp and old_logp is None:
-            raise ValueError(f"old_logp: required by loss {self.loss!r}")
+        term = self.term
+        if term.kind != "token":
+            method = "dpo_loss" if term.kind == "pairwise" else "distill_loss"
+            raise ValueError(f"loss: recipe {self.name!r} is {term.kind}; call Objective.{method}")
         if advantages is None:
             raise ValueError(f"advantages: required by loss {self.loss!r}")
+        ratio_logp = None
+        if term.ratio == "old":
+            if old_logp is None:
+                raise ValueError(f"old_logp: required by loss {self.loss!r}")
+            ratio_logp = old_logp
+        elif term.ratio == "behaviour":
+            ratio_logp = behaviour_logp if behaviour_logp is not None else old_logp
+            if ratio_logp is None:
+                raise ValueError(f"behaviour_logp: required by loss {self.loss!r} (its ratio is to the sampler's log-probs)")
         c = self.constant if constant is None else constant
         agg = dict(aggregation=self.aggregation, constant=c, denominator=denominator)
-        if self.loss == "reinforce":
-            res = losses.reinforce_loss(logp, advantages, mask, **agg)
-        elif self.loss == "ppo":
-            res = losses.ppo_clip_loss(
-                logp, old_logp, advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high_, dual_clip=self.dual_clip, **agg
-            )
-        elif self.loss == "gspo":
-            res = losses.gspo_loss(logp, old_logp, advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high_, **agg)
-        elif self.loss == "gspo_token":
-            res = losses.gspo_token_loss(logp, old_logp, advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high_, **agg)
-        elif self.loss == "sapo":
-            res = losses.sapo_loss(logp, old_logp, advantages, mask, tau_pos=self.tau_pos, tau_neg=self.tau_neg, **agg)
-        elif self.loss == "sao":
-            res = losses.sao_dis_loss(
-                logp, old_logp, advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high_,
-                ratio_gradient=self.ratio_gradient, **agg,
-            )
-        else:  # pragma: no cover - guarded by __post_init__
-            raise ValueError(f"loss: unknown {self.loss!r}")
+        res = term.call(self, PolicyInputs(logp, advantages, mask, ratio_logp, old_logp, behaviour_logp, ref_logp, agg))
         loss, metrics = res.loss, dict(res.metrics)
         if self.kl_placement == "loss":
             if ref_logp is None:
                 raise ValueError("ref_logp: required when kl_placement is 'loss'")
-            k = losses.kl_estimate(logp, ref_logp, mask, kind=self.kl_kind)
-            kl_term = aggregate(k, mask, self.aggregation, constant=c, denominator=denominator)
+            kl_term = aggregate(kl_estimate(logp, ref_logp, mask, kind=self.kl_kind), mask, self.aggregation,
+                                constant=c, denominator=denominator)
             loss = loss + self.kl_coef * kl_term
             metrics["kl_loss_term"] = kl_term.detach()
+        if self.entropy_coef > 0:
+            if entropy is None:
+                raise ValueError("entropy: required when entropy_coef > 0 (per-token entropy with its gradient)")
+            _checks.check_shape("entropy", entropy, tuple(logp.shape), against="logp")
+            ent = aggregate(entropy, mask, self.aggregation, constant=c, denominator=denominator)
+            loss = loss - self.entropy_coef * ent
+            metrics["entropy_bonus_term"] = ent.detach()
         return LossResult(loss, metrics)
 
-    def dpo_loss(self, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp) -> LossResult:
-        from . import losses
+    def value_loss(self, values, targets, mask, *, old_values=None, denominator=None) -> LossResult:
+        r"""The critic's loss ``½ (V − sg[R̂])²``, clipped by ``value_clip`` around ``old_values`` (§20.3).
 
-        if self.loss != "dpo":
-            raise ValueError(f"loss: recipe {self.name!r} is not dpo")
-        return losses.dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta=self.beta)
+        Token mean over action tokens, in the critic's own backward pass.
+        """
+        from .losses import value_loss
+
+        if not self.critic:
+            raise ValueError(f"critic: recipe {self.name!r} has no critic")
+        return value_loss(values, targets, mask, old_values=old_values, clip_range=self.value_clip, denominator=denominator)
+
+    def dpo_loss(self, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp) -> LossResult:
+        if self.kind != "pairwise":
+            raise ValueError(f"loss: recipe {self.name!r} is not a preference-pair recipe")
+        return self.term.fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta=self.beta)
 
     def distill_loss(self, *, mask, denominator=None, **inputs) -> LossResult:
-        from . import losses
-
-        if self.loss != "opd":
-            raise ValueError(f"loss: recipe {self.name!r} is not opd")
-        return losses.reverse_kl_distill_loss(mask=mask, aggregation=self.aggregation, constant=self.constant,
-                                              denominator=denominator, **inputs)
+        if self.kind != "distill":
+            raise ValueError(f"loss: recipe {self.name!r} is not a distillation recipe")
+        return self.term.fn(mask=mask, aggregation=self.aggregation, constant=self.constant, denominator=denominator,
+                            **inputs)
 
 
-RECIPES: Dict[str, Objective] = {
-    "reinforce": Objective(
-        name="reinforce", loss="reinforce", advantage="return", aggregation="seq_mean_token_sum",
-        paper="Williams 1992 (spec §2): E[R(τ) Σ_t ∇log π(a_t|h_t)]",
-    ),
-    "rloo": Objective(
-        name="rloo", loss="reinforce", advantage="leave_one_out", aggregation="seq_mean_token_sum", group_size=4,
-        paper="Ahmadian et al. 2024 (REINFORCE leave-one-out), spec §5",
-    ),
-    "grpo": Objective(
-        name="grpo", loss="ppo", advantage="group_std", aggregation="seq_mean_token_mean", eps_low=0.2,
-        kl_coef=0.04, kl_placement="loss", kl_kind="k3", group_size=8,
-        paper="Shao et al. 2024 (DeepSeekMath), spec §11",
-    ),
-    "dr_grpo": Objective(
-        name="dr_grpo", loss="ppo", advantage="group_center", aggregation="seq_sum_constant", constant=1024.0,
-        eps_low=0.2, group_size=8, paper="Liu et al. 2025 (Understanding R1-Zero-Like Training), spec §12",
-    ),
-    "dapo": Objective(
-        name="dapo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2, eps_high=0.28,
-        group_size=8, dynamic_sampling=True, paper="Yu et al. 2025 (DAPO): clip-higher, token-level loss, dynamic sampling",
-    ),
-    "gspo": Objective(
-        name="gspo", loss="gspo", advantage="group_std", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4,
-        group_size=8, paper="Zheng et al. 2025 (GSPO), spec §17",
-    ),
-    "gspo_token": Objective(
-        name="gspo_token", loss="gspo_token", advantage="group_std", aggregation="seq_mean_token_mean",
-        eps_low=3e-4, eps_high=4e-4, group_size=8, paper="Zheng et al. 2025 (GSPO-token), spec §17",
-    ),
-    "sapo": Objective(
-        name="sapo", loss="sapo", advantage="group_std", aggregation="seq_mean_token_mean", tau_pos=1.0, tau_neg=1.05,
-        group_size=8, paper="Gao et al. 2025 (SAPO), spec §18",
-    ),
-    "ppo": Objective(
-        name="ppo", loss="ppo", advantage="gae", aggregation="token_mean", eps_low=0.2, kl_coef=0.05,
-        kl_placement="reward", kl_kind="k1", gamma=1.0, lam=0.95, critic=True, value_clip=0.2, vf_coef=0.5,
-        paper="Schulman et al. 2017 (PPO) with GAE (Schulman et al. 2015), spec §6, §8",
-    ),
-    "sao": Objective(
-        name="sao", loss="sao", advantage="gae", aggregation="token_mean", eps_low=0.3, eps_high=5.0,
-        ratio_gradient="detached", gamma=1.0, lam=1.0, critic=True, critic_updates=2, group_size=1,
-        paper="Hou et al. 2026 (SAO), spec §20; eps (0.3, 5.0) = the paper's reasoning setting",
-    ),
-    "opd": Objective(
-        name="opd", loss="opd", advantage="none", aggregation="token_mean",
-        paper="on-policy distillation with the exact reverse KL, spec §14",
-    ),
-    "dpo": Objective(
-        name="dpo", loss="dpo", advantage="none", aggregation="token_mean", beta=0.1,
-        paper="Rafailov et al. 2023 (DPO), spec §10",
-    ),
-}
+# ---------------------------------------------------------------------- the registry's entries and recipes
+from . import estimators as _estimators  # noqa: E402,F401  (registers the built-in advantage estimators)
+from . import terms as _terms  # noqa: E402,F401  (registers the built-in policy terms)
+from .recipes import RECIPES  # noqa: E402
 
 
 def get_recipe(name: str, **overrides: Any) -> Objective:
@@ -363,67 +400,6 @@ _AGG_TEXT = {
 }
 
 
-def _advantage_text(o: Objective) -> str:
-    G = o.group_size
-    if o.advantage == "return":
-        return "A_i = R_i  (the raw return; no baseline)"
-    if o.advantage == "group_std":
-        return (f"A_i = (R_i − mean_G(R)) / (std_G(R) + {o.std_eps:g}),  G = {G}, population std (1/G)\n"
-                "    groups with std = 0 have A = 0 (no relative signal, §11); std scaling reweights prompts (§12)")
-    if o.advantage == "group_center":
-        return f"A_i = R_i − mean_G(R),  G = {G}  (no std scaling: Dr. GRPO, §12)"
-    if o.advantage == "batch_std":
-        return f"A_i = (R_i − mean_G(R)) / (std_batch(R) + {o.std_eps:g}),  G = {G}"
-    if o.advantage == "leave_one_out":
-        return f"A_i = R_i − (1/(G−1)) Σ_{{k≠i}} R_k,  G = {G}  (leave-one-out, §5)"
-    if o.advantage == "gae":
-        return (f"A_t = Σ_l (γλ)^l δ_{{t+l}},  δ_t = r_t + γ V(next action token) − V(t),  γ = {o.gamma:g}, λ = {o.lam:g}\n"
-                "    skip-observation: tool-observation and prompt tokens are bridged, not decayed through (§20.4);\n"
-                "    true termination zeroes the bootstrap, truncation bootstraps from V (§6)")
-    return "none (the loss takes no advantage)"
-
-
-def _policy_text(o: Objective) -> str:
-    el, eh = o.eps_low, o.eps_high_
-    if o.loss == "reinforce":
-        return "x_it = − A_i · log π_θ(y_it)          (score function, §2/§4; no ratio, on-policy)"
-    if o.loss == "ppo":
-        s = (f"ρ_it = exp(log π_θ(y_it) − sg[log π_old(y_it)])   (per-token ratio, §7)\n"
-             f"x_it = − min(ρ_it A_it, clip(ρ_it, 1 − {el:g}, 1 + {eh:g}) A_it)   (§8)\n"
-             f"    A > 0: no gain once ρ > {1 + eh:g};  A < 0: no gain once ρ < {1 - el:g}")
-        if o.dual_clip is not None:
-            s += f"\n    dual clip: for A < 0, x_it = − max(min(...), {o.dual_clip:g} · A_it)"
-        return s
-    if o.loss == "gspo":
-        return (f"s_i = exp((1/L_i) Σ_t [log π_θ(y_it) − sg[log π_old(y_it)]])   (geometric-mean sequence ratio, §17;\n"
-                "    NOT the full-sequence density ratio)\n"
-                f"x_it = − min(s_i A_i, clip(s_i, 1 − {el:g}, 1 + {eh:g}) A_i)   at every token of response i\n"
-                "    gradient: (s_i A_i / L_i) Σ_t ∇log π_θ(y_it) away from clipping")
-    if o.loss == "gspo_token":
-        return ("s_it = sg[s_i] · π_θ(y_it) / sg[π_θ(y_it)]    (value s_i, gradient s_i ∇log π_θ(y_it), §17)\n"
-                f"x_it = − min(s_it A_it, clip(s_it, 1 − {el:g}, 1 + {eh:g}) A_it)\n"
-                "    equals GSPO in value and gradient when A_it = A_i")
-    if o.loss == "sapo":
-        return ("r_it = exp(log π_θ(y_it) − sg[log π_old(y_it)])   (NOT detached: its gradient is the update)\n"
-                f"τ_it = {o.tau_pos:g} if A_it > 0 else {o.tau_neg:g}\n"
-                "x_it = − (4/τ_it) σ(τ_it (r_it − 1)) A_it          (§18)\n"
-                "    gradient gate 4p(1−p) r A ∇log π_θ, gate = 1 at r = 1 for any τ")
-    if o.loss == "sao":
-        w = "sg[r_t · 1{trusted}]" if o.ratio_gradient == "detached" else "r_t · 1{trusted}  (attached)"
-        g = "A r ∇log π" if o.ratio_gradient == "detached" else "A r (1 + log π) ∇log π"
-        return (f"r_t = exp(log π_θ(a_t) − log π_rollout(a_t))   (direct to the rollout engine's log-probs, §20.2)\n"
-                f"trusted = {1 - el:g} < r_t < {1 + eh:g}   (strict; both tails rejected, not clipped)\n"
-                f"x_t = − {w} · A_t · log π_θ(a_t)\n"
-                f"    gradient inside the interval: {g}; zero outside")
-    if o.loss == "opd":
-        return ("x_t = Σ_v π_θ(v|h_t) [log π_θ(v|h_t) − sg[log π_E(v|h_t)]]   (exact reverse KL over the full vocabulary, §14;\n"
-                "    not the sampled-token approximation)")
-    if o.loss == "dpo":
-        return (f"loss = − log σ(β [log π_θ(y_w) − log π_ref(y_w)] − β [log π_θ(y_l) − log π_ref(y_l)]),  β = {o.beta:g}   (§10)\n"
-                "    sequence log-probs; reference log-probs detached; a static preference dataset")
-    raise ValueError(o.loss)  # pragma: no cover
-
-
 def _kl_text(o: Objective) -> str:
     k = {"k1": "k1 = log π_θ − log π_ref", "k2": "k2 = ½ (log π_θ − log π_ref)²",
          "k3": "k3 = π_ref/π_θ − 1 − log(π_ref/π_θ)"}[o.kl_kind]
@@ -434,46 +410,136 @@ def _kl_text(o: Objective) -> str:
     return f"in the loss: + {o.kl_coef:g} · aggregate({k})  (same aggregation and denominator as the policy term)"
 
 
-def explain(recipe: "str | Objective", **overrides: Any) -> str:
-    """The exact estimator a recipe optimizes, as text generated from its fields."""
-    o = get_recipe(recipe, **overrides) if isinstance(recipe, str) else (recipe.replace(**overrides) if overrides else recipe)
+def _aggregation_text(o: Objective) -> str:
+    if o.kind == "pairwise":
+        return "mean over preference pairs"
     C = "the padded generation length L" if o.constant is None else f"{o.constant:g}"
-    detached = ["advantages", "rewards"]
-    if o.uses_old_logp:
-        detached.append("rollout/old log-probs" if o.loss != "sao" else "rollout log-probs")
-    if o.kl_placement != "none" or o.loss == "dpo":
-        detached.append("reference log-probs")
+    text = _AGG_TEXT.get(o.aggregation)
+    line = f"loss = {text.format(C=C)}" if text else f"loss = aggregate(x, mode={o.aggregation!r})"
+    return (line + "\nmasked tokens (prompt, tool observations, padding) enter neither numerator nor denominator;\n"
+            "with micro-batches or ranks the denominator is the global count, summed before backward (§13)")
+
+
+def _detached(o: Objective) -> List[str]:
+    out = [] if o.kind == "distill" else ["advantages", "rewards"] if o.kind == "token" else []
+    out += list(o.term.detached_for(o))
+    if o.kl_placement != "none":
+        out.append("reference log-probs")
     if o.critic:
-        detached.append("value targets (GAE returns)")
-    if o.loss == "opd":
-        detached = ["teacher distribution"]
-    if o.loss == "gspo_token":
-        detached.append("the sequence ratio s_i inside s_it")
-    if o.loss == "sao" and o.ratio_gradient == "detached":
-        detached.append("the trusted ratio weight")
-    lines = [
-        f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}",
-        "",
-        "advantage:",
-        textwrap.indent(_advantage_text(o), "  "),
-        "",
-        "per-token term (to minimize):",
-        textwrap.indent(_policy_text(o), "  "),
-        "",
-        "aggregation: " + o.aggregation,
-        "  loss = " + _AGG_TEXT[o.aggregation].format(C=C) if o.loss != "dpo" else "  mean over preference pairs",
-        "  masked tokens (prompt, tool observations, padding) enter neither numerator nor denominator;",
-        "  with micro-batches or ranks the denominator is the global count, summed before backward (§13)",
-        "",
-        "KL to reference: " + _kl_text(o),
-    ]
+        out.append("value targets (GAE returns)")
+    return list(dict.fromkeys(out))
+
+
+def sections(recipe: "str | Objective", **overrides: Any) -> Dict[str, str]:
+    """The parts of :func:`explain`'s text by name, always the same keys (``explain_diff`` compares them)."""
+    o = _resolve(recipe, **overrides)
+    s: Dict[str, str] = {
+        "advantage": o.estimator.text(o),
+        "per-token term (to minimize)": o.term.text(o),
+        "aggregation": o.aggregation + "\n" + _aggregation_text(o),
+        "KL to reference": _kl_text(o),
+        "critic": "none",
+        "entropy bonus": "off",
+        "dynamic sampling": "off",
+        "sampling": f"{o.group_size} rollout(s) per prompt",
+    }
     if o.critic:
         vc = f"clipped to ±{o.value_clip:g} around the old value" if o.value_clip is not None else "unclipped"
-        lines += ["", f"critic: value loss ½ (V − sg[R̂])² ({vc}), {o.critic_updates} critic update(s) per actor update"]
+        s["critic"] = (f"value loss ½ (V − sg[R̂])² ({vc}), token mean, own optimizer and backward pass; "
+                       f"{o.critic_updates} critic update(s) per actor update")
     if o.entropy_coef:
-        lines += [f"entropy bonus: − {o.entropy_coef:g} · aggregate(H(π_θ))"]
+        s["entropy bonus"] = (f"− {o.entropy_coef:g} · aggregate(H(π_θ)),  H = exact entropy of the full sampling "
+                              "distribution (same aggregation and denominator)")
     if o.dynamic_sampling:
-        lines += ["", "dynamic sampling: groups whose rewards have zero variance are resampled; each discarded",
-                  "  group and the tokens it cost are logged (this changes which prompts enter the update, §11)"]
-    lines += ["", "detached (stop-gradient): " + ", ".join(detached)]
+        s["dynamic sampling"] = ("groups whose rewards have zero variance are resampled; each discarded group and the "
+                                 "tokens it cost are logged (this changes which prompts enter the update, §11)")
+    s["detached (stop-gradient)"] = ", ".join(_detached(o))
+    return s
+
+
+def _resolve(recipe: "str | Objective", **overrides: Any) -> Objective:
+    if isinstance(recipe, str):
+        return get_recipe(recipe, **overrides)
+    if not isinstance(recipe, Objective):
+        raise ValueError(f"recipe: expected a recipe name or an Objective, got {type(recipe).__name__}")
+    return recipe.replace(**overrides) if overrides else recipe
+
+
+def explain(recipe: "str | Objective", **overrides: Any) -> str:
+    """The exact estimator a recipe optimizes, as text generated from its registry entries and fields."""
+    o = _resolve(recipe, **overrides)
+    lines = [f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}"]
+    for title, body in sections(o).items():
+        if title in ("critic", "entropy bonus", "dynamic sampling") and body in ("none", "off"):
+            continue
+        if title == "aggregation":
+            mode, rest = body.split("\n", 1)
+            lines += ["", f"aggregation: {mode}", textwrap.indent(rest, "  ")]
+        elif title in ("advantage", "per-token term (to minimize)"):
+            lines += ["", title + ":", textwrap.indent(body, "  ")]
+        else:
+            lines += ["", f"{title}: {body}"]
     return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+
+def explain_diff(a: "str | Objective", b: "str | Objective") -> str:
+    """Two recipes term by term: the fields that differ, then each part of ``explain`` that differs.
+
+    The parts are the advantage estimator and its normalization, the per-token term (ratio,
+    clipping), the aggregation, the KL placement and estimator, the critic, the entropy bonus,
+    dynamic sampling and what is detached; for each one that differs both equations are printed.
+    """
+    oa, ob = _resolve(a), _resolve(b)
+    na, nb = oa.name, ob.name
+    if na == nb:
+        na, nb = f"{na} (A)", f"{nb} (B)"
+    lines = [f"explain --diff: {na}  vs  {nb}", ""]
+    fa, fb = oa.to_dict(), ob.to_dict()
+    ra, rb = set(oa.read_fields()), set(ob.read_fields())
+    changed = [k for k in fa if k not in ("name", "paper") and fa[k] != fb[k] and (k in ra or k in rb)]
+
+    def val(k, d, read):
+        return _fmt(d[k]) if k in read else "(not read)"
+
+    if changed:
+        lines.append("fields that differ:")
+        w = max(len(k) for k in changed)
+        lines += [f"  {k:<{w}}  {val(k, fa, ra)}  →  {val(k, fb, rb)}" for k in changed]
+    else:
+        lines.append("fields that differ: none (the two recipes optimize the same objective)")
+    sa, sb = sections(oa), sections(ob)
+    keys = list(dict.fromkeys(list(sa) + list(sb)))
+    same = []
+    for k in keys:
+        ta, tb = sa.get(k, "(absent)"), sb.get(k, "(absent)")
+        if ta == tb:
+            same.append(k)
+            continue
+        lines += ["", k + ":", f"  {na}:", textwrap.indent(ta, "    "), f"  {nb}:", textwrap.indent(tb, "    ")]
+    if same:
+        lines += ["", "identical: " + ", ".join(same)]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "Objective",
+    "RECIPES",
+    "get_recipe",
+    "explain",
+    "explain_diff",
+    "sections",
+    "register_policy_term",
+    "register_advantage_estimator",
+    "PolicyTerm",
+    "AdvantageEstimator",
+    "PolicyInputs",
+    "POLICY_TERMS",
+    "ADVANTAGE_ESTIMATORS",
+    "KL_PLACEMENTS",
+    "KL_KINDS",
+    "SCHEDULE_FIELDS",
+]

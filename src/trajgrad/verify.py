@@ -104,13 +104,11 @@ def _ragged_mask(gen: torch.Generator, B: int, L: int) -> torch.Tensor:
 def _policy_batch(gen: torch.Generator, B: int, L: int, recipe: Objective) -> Dict[str, torch.Tensor]:
     mask = _ragged_mask(gen, B, L)
     logp = -torch.rand(B, L, generator=gen, dtype=torch.float64) * 3 - 0.01
-    noise = 0.3 if recipe.loss in ("ppo", "sao", "sapo") else 2e-3 if recipe.loss in ("gspo", "gspo_token") else 0.3
-    old = logp + noise * torch.randn(B, L, generator=gen, dtype=torch.float64)
-    if recipe.loss == "sao":
-        old = logp + 0.6 * torch.randn(B, L, generator=gen, dtype=torch.float64)
+    term = recipe.term
+    old = logp + term.verify_noise * torch.randn(B, L, generator=gen, dtype=torch.float64)
     seq_adv = torch.randn(B, generator=gen, dtype=torch.float64)
     adv = seq_adv[:, None].expand(B, L).clone()
-    if recipe.loss not in ("gspo",) and recipe.advantage == "gae":
+    if not term.sequence_advantages and recipe.advantage_level == "token":
         adv = torch.randn(B, L, generator=gen, dtype=torch.float64)
     return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask}
 
@@ -141,7 +139,7 @@ def _call_policy(fn, batch, logp, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def verify(
     loss_fn: Callable,
-    reference: str = "grpo",
+    reference: "str | Objective" = "grpo",
     *,
     shapes: Sequence[Tuple[int, int]] = ((4, 9), (8, 24), (3, 57)),
     seed: int = 0,
@@ -153,7 +151,8 @@ def verify(
 
     Args:
       loss_fn: the implementation under test (see the module docstring for its signature).
-      reference: a recipe name from :data:`trajgrad.objective.RECIPES`.
+      reference: a recipe name from :data:`trajgrad.objective.RECIPES`, or an ``Objective``
+        (for example one built on a user-registered policy term).
       shapes: ``(B, L)`` shapes to test; each gets a fresh random batch with ragged masks.
       atol, rtol: tolerance of the comparisons (float64).
       recipe_overrides: fields of the reference recipe to change so that it matches the
@@ -161,15 +160,21 @@ def verify(
     Returns:
       A :class:`VerifyReport`; ``report.passed`` and ``print(report.table())``.
     """
-    recipe = get_recipe(reference, **recipe_overrides)
-    if recipe.loss == "dpo":
+    if isinstance(reference, Objective):
+        recipe = reference.replace(**recipe_overrides) if recipe_overrides else reference
+    else:
+        recipe = get_recipe(reference, **recipe_overrides)
+    reference = recipe.name
+    if recipe.kind == "pairwise":
         return _verify_dpo(loss_fn, recipe, seed=seed, atol=atol, rtol=rtol)
-    if recipe.loss == "opd":
+    if recipe.kind == "distill":
         return _verify_opd(loss_fn, recipe, seed=seed, atol=atol, rtol=rtol)
-    ref_recipe = recipe.replace(kl_coef=0.0, kl_placement="none")
+    ref_recipe = recipe.replace(kl_coef=0.0, kl_placement="none", entropy_coef=0.0)
 
     def ref_fn(logp, old_logp, advantages, mask, denominator=None):
-        return ref_recipe.policy_loss(logp, advantages, mask, old_logp=old_logp, denominator=denominator)
+        # the adapter's second argument is the log-prob the term's ratio is taken against
+        return ref_recipe.policy_loss(logp, advantages, mask, old_logp=old_logp, behaviour_logp=old_logp,
+                                      denominator=denominator)
 
     gen = torch.Generator().manual_seed(seed)
     report = VerifyReport(reference=reference)

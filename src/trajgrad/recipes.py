@@ -1,0 +1,64 @@
+r"""The named recipes: each an :class:`~trajgrad.objective.Objective` with its paper's defaults.
+
+Any field can be changed with ``Objective.replace`` / ``get_recipe(name, **overrides)`` (the
+trainer's ``recipe.overrides`` does exactly that); ``trajgrad explain NAME`` prints one.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from .objective import Objective
+
+RECIPES: Dict[str, Objective] = {
+    "reinforce": Objective(
+        name="reinforce", loss="reinforce", advantage="return", aggregation="seq_mean_token_sum",
+        paper="Williams 1992 (spec §2): E[R(τ) Σ_t ∇log π(a_t|h_t)]",
+    ),
+    "rloo": Objective(
+        name="rloo", loss="reinforce", advantage="leave_one_out", aggregation="seq_mean_token_sum", group_size=4,
+        paper="Ahmadian et al. 2024 (REINFORCE leave-one-out), spec §5",
+    ),
+    "grpo": Objective(
+        name="grpo", loss="ppo", advantage="group_std", aggregation="seq_mean_token_mean", eps_low=0.2,
+        kl_coef=0.04, kl_placement="loss", kl_kind="k3", group_size=8,
+        paper="Shao et al. 2024 (DeepSeekMath), spec §11",
+    ),
+    "dr_grpo": Objective(
+        name="dr_grpo", loss="ppo", advantage="group_center", aggregation="seq_sum_constant", constant=1024.0,
+        eps_low=0.2, group_size=8, paper="Liu et al. 2025 (Understanding R1-Zero-Like Training), spec §12",
+    ),
+    "dapo": Objective(
+        name="dapo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2, eps_high=0.28,
+        group_size=8, dynamic_sampling=True, paper="Yu et al. 2025 (DAPO): clip-higher, token-level loss, dynamic sampling",
+    ),
+    "gspo": Objective(
+        name="gspo", loss="gspo", advantage="group_std", aggregation="seq_mean_token_mean", eps_low=3e-4, eps_high=4e-4,
+        group_size=8, paper="Zheng et al. 2025 (GSPO), spec §17",
+    ),
+    "gspo_token": Objective(
+        name="gspo_token", loss="gspo_token", advantage="group_std", aggregation="seq_mean_token_mean",
+        eps_low=3e-4, eps_high=4e-4, group_size=8, paper="Zheng et al. 2025 (GSPO-token), spec §17",
+    ),
+    "sapo": Objective(
+        name="sapo", loss="sapo", advantage="group_std", aggregation="seq_mean_token_mean", tau_pos=1.0, tau_neg=1.05,
+        group_size=8, paper="Gao et al. 2025 (SAPO), spec §18",
+    ),
+    "ppo": Objective(
+        name="ppo", loss="ppo", advantage="gae", aggregation="token_mean", eps_low=0.2, kl_coef=0.05,
+        kl_placement="reward", kl_kind="k1", gamma=1.0, lam=0.95, critic=True, value_clip=0.2,
+        paper="Schulman et al. 2017 (PPO) with GAE (Schulman et al. 2015), spec §6, §8",
+    ),
+    "sao": Objective(
+        name="sao", loss="sao", advantage="gae", aggregation="token_mean", eps_low=0.3, eps_high=5.0,
+        ratio_gradient="detached", gamma=1.0, lam=1.0, critic=True, critic_updates=2, group_size=1,
+        paper="Hou et al. 2026 (SAO), spec §20; eps (0.3, 5.0) = the paper's reasoning setting",
+    ),
+    "opd": Objective(
+        name="opd", loss="opd", advantage="none", aggregation="token_mean",
+        paper="on-policy distillation with the exact reverse KL, spec §14",
+    ),
+    "dpo": Objective(
+        name="dpo", loss="dpo", advantage="none", aggregation="token_mean", beta=0.1,
+        paper="Rafailov et al. 2023 (DPO), spec §10",
+    ),
+}

@@ -1,0 +1,172 @@
+r"""The two registries a recipe is assembled from: policy terms and advantage estimators.
+
+A recipe (:class:`trajgrad.objective.Objective`) names one entry of each. An entry is the
+single declaration of an estimator: the core function, how it is called from the recipe's
+fields, which fields it reads, which log-probabilities its ratio is taken against, what it
+detaches, its paper's default aggregation and its ``explain`` text. ``Objective.policy_loss``,
+``explain``, ``explain_diff``, ``verify`` and both trainers read these entries; nothing else
+in the library compares a loss or advantage name.
+
+Adding an estimator = its core function + one ``register_policy_term`` (or
+``register_advantage_estimator``) call + its tests. A user registers their own the same way::
+
+    from trajgrad.registry import PolicyTerm, register_policy_term
+
+    register_policy_term(PolicyTerm(
+        name="my_pg", fn=my_pg_loss, fields=(), ratio="none", detached=(),
+        aggregation="token_mean", text=lambda o: "x_t = − A_t · log π_θ(y_t)",
+        call=lambda o, x: my_pg_loss(x.logp, x.advantages, x.mask, **x.agg),
+    ))
+    Objective(name="mine", loss="my_pg", advantage="group_std", aggregation="token_mean", group_size=4)
+
+This module is pure bookkeeping: it imports no estimator and nothing from the layers above.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+RATIO_SOURCES = ("none", "old", "behaviour")
+TERM_KINDS = ("token", "pairwise", "distill")
+ADVANTAGE_LEVELS = ("sequence", "token", "none")
+
+
+class PolicyInputs(NamedTuple):
+    """What :meth:`Objective.policy_loss` hands to a term's ``call``.
+
+    ``ratio_logp`` is the log-probability the term's ratio is taken against, already chosen
+    from ``old_logp`` / ``behaviour_logp`` by the term's declared ``ratio`` (``None`` for
+    ``ratio="none"``). ``agg`` holds ``aggregation``, ``constant`` and ``denominator``, to be
+    passed to the core function as keywords.
+    """
+
+    logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ratio_logp: Optional[torch.Tensor]
+    old_logp: Optional[torch.Tensor]
+    behaviour_logp: Optional[torch.Tensor]
+    ref_logp: Optional[torch.Tensor]
+    agg: Dict[str, Any]
+
+
+TextFn = Callable[[Any], str]
+Detached = Union[Tuple[str, ...], Callable[[Any], Tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """One policy term.
+
+    Attributes:
+      name: the value of ``Objective.loss`` that selects it.
+      fn: the core function (``verify`` and introspection use it).
+      call: ``call(objective, inputs: PolicyInputs) -> LossResult`` (token terms); pairwise
+        and distill terms are called through ``Objective.dpo_loss`` / ``distill_loss``.
+      fields: the ``Objective`` fields the term reads.
+      ratio: ``"none"`` (no importance ratio), ``"old"`` (against the log-probs recomputed
+        before the update) or ``"behaviour"`` (against the sampler's recorded log-probs).
+      detached: what the term stop-gradients, for ``explain`` (a tuple or ``f(objective)``).
+      aggregation: its paper's default aggregation.
+      text: ``text(objective) -> str``, the per-token term as ``explain`` prints it.
+      kind: ``"token"`` (a loss on ``[B, L]`` log-probs), ``"pairwise"`` (preference pairs of
+        sequence log-probs, DPO) or ``"distill"`` (full teacher distributions, OPD).
+      sequence_advantages: the term needs one advantage per response (GSPO).
+      verify_noise: std of the current-vs-old log-prob gap in ``verify``'s random batches
+        (small for terms whose trust region is tiny, so that both sides of it are exercised).
+      validate: optional ``validate(objective)`` raising ``ValueError`` naming the field.
+    """
+
+    name: str
+    fn: Callable
+    fields: Tuple[str, ...]
+    ratio: str
+    detached: Detached
+    aggregation: str
+    text: TextFn
+    call: Optional[Callable] = None
+    kind: str = "token"
+    sequence_advantages: bool = False
+    verify_noise: float = 0.3
+    validate: Optional[Callable[[Any], None]] = None
+
+    def detached_for(self, objective) -> Tuple[str, ...]:
+        return tuple(self.detached(objective)) if callable(self.detached) else tuple(self.detached)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One advantage estimator.
+
+    Attributes:
+      name: the value of ``Objective.advantage`` that selects it.
+      level: ``"sequence"`` (one advantage per response, from per-response rewards),
+        ``"token"`` (per-token advantages from a critic) or ``"none"`` (the loss takes none).
+      call: sequence level: ``call(objective, rewards, group_ids) -> GroupAdvantages``;
+        token level: ``call(objective, values, rewards, mask, terminated, bootstrap_value)
+        -> (advantages, returns)``.
+      fields: the ``Objective`` fields it reads.
+      text: ``text(objective) -> str`` for ``explain``.
+      min_group: the smallest ``group_size`` it accepts (2 for group baselines).
+      needs_critic: it needs a value function (``Objective.critic`` must be true).
+      validate: optional ``validate(objective)``.
+    """
+
+    name: str
+    level: str
+    call: Optional[Callable]
+    fields: Tuple[str, ...]
+    text: TextFn
+    min_group: int = 1
+    needs_critic: bool = False
+    validate: Optional[Callable[[Any], None]] = None
+
+
+POLICY_TERMS: Dict[str, PolicyTerm] = {}
+ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {}
+
+
+def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTerm:
+    """Add a policy term; ``explain``, ``verify`` and the trainers then cover it."""
+    if not isinstance(term, PolicyTerm):
+        raise ValueError(f"term: expected a PolicyTerm, got {type(term).__name__}")
+    if term.ratio not in RATIO_SOURCES:
+        raise ValueError(f"term.ratio: must be one of {RATIO_SOURCES}, got {term.ratio!r}")
+    if term.kind not in TERM_KINDS:
+        raise ValueError(f"term.kind: must be one of {TERM_KINDS}, got {term.kind!r}")
+    if term.kind == "token" and term.call is None:
+        raise ValueError(f"term.call: token term {term.name!r} needs a call(objective, inputs)")
+    if term.name in POLICY_TERMS and not replace:
+        raise ValueError(f"term.name: {term.name!r} is already registered (pass replace=True)")
+    POLICY_TERMS[term.name] = term
+    return term
+
+
+def register_advantage_estimator(est: AdvantageEstimator, *, replace: bool = False) -> AdvantageEstimator:
+    """Add an advantage estimator."""
+    if not isinstance(est, AdvantageEstimator):
+        raise ValueError(f"estimator: expected an AdvantageEstimator, got {type(est).__name__}")
+    if est.level not in ADVANTAGE_LEVELS:
+        raise ValueError(f"estimator.level: must be one of {ADVANTAGE_LEVELS}, got {est.level!r}")
+    if est.level != "none" and est.call is None:
+        raise ValueError(f"estimator.call: {est.name!r} needs a call")
+    if est.name in ADVANTAGE_ESTIMATORS and not replace:
+        raise ValueError(f"estimator.name: {est.name!r} is already registered (pass replace=True)")
+    ADVANTAGE_ESTIMATORS[est.name] = est
+    return est
+
+
+__all__ = [
+    "PolicyInputs",
+    "PolicyTerm",
+    "AdvantageEstimator",
+    "POLICY_TERMS",
+    "ADVANTAGE_ESTIMATORS",
+    "register_policy_term",
+    "register_advantage_estimator",
+    "RATIO_SOURCES",
+    "TERM_KINDS",
+    "ADVANTAGE_LEVELS",
+]
