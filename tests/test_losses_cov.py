@@ -38,15 +38,23 @@ def test_clip_cov_value_gradient_and_selection():
     res_ppo, g_ppo = run(ppo_clip_loss, logp, old, adv, mask, eps_low=0.2)
     # value: the PPO value (selected tokens keep their value, lose their gradient)
     assert res.loss.item() == pytest.approx(res_ppo.loss.item(), rel=1e-12)
-    selected = (grad == 0) & (g_ppo != 0)
     n = int(mask.sum())
-    k = max(1, math.floor(ratio * n))
-    assert int(selected.sum()) == k == round(res.metrics["cov/selected_frac"].item() * n)
+    mass = ratio * n
+    active = g_ppo != 0
+    # each token's gradient is (1 - w) times PPO's, w in [0, 1] its selection weight
+    w = torch.where(active, 1 - grad / torch.where(active, g_ppo, torch.ones_like(g_ppo)), torch.zeros_like(grad))
+    assert w.sum().item() == pytest.approx(mass, rel=1e-9)
+    assert res.metrics["cov/selected_frac"].item() == pytest.approx(ratio)
+    full = w > 1 - 1e-9
+    partial = (w > 1e-9) & ~full
+    assert int(full.sum()) == math.floor(mass) and int(partial.sum()) == 1
+    assert w[partial].item() == pytest.approx(mass - math.floor(mass))
     # every selected token is a candidate: covariance inside the window, not clipped by PPO
     cov = covariance(logp, adv, mask)
-    assert ((cov[selected] > 0.5) & (cov[selected] < 5.0)).all()
+    sel = full | partial
+    assert ((cov[sel] > 0.5) & (cov[sel] < 5.0)).all()
     # all other tokens have exactly PPO's gradient
-    assert torch.equal(grad[~selected], g_ppo[~selected])
+    assert torch.equal(grad[~sel], g_ppo[~sel])
 
 
 def test_clip_cov_selection_is_deterministic_given_the_seed():
@@ -66,19 +74,29 @@ def test_kl_cov_value_and_gradient_match_the_analytic_form():
     res, grad = run(kl_cov_loss, logp, old, adv, mask, kl_ratio=ratio, kl_coef=beta)
     cov = covariance(logp, adv, mask)
     n = int(mask.sum())
-    k = max(1, math.floor(ratio * n))
-    flat = torch.where(mask > 0, cov, torch.full_like(cov, -math.inf)).reshape(-1)
-    top = torch.zeros(flat.shape, dtype=torch.bool)
-    top[torch.topk(flat, k).indices] = True
-    top = top.reshape(cov.shape)
+    mass = ratio * n
+    k = math.floor(mass)
+    flat = torch.where((mask > 0) & (cov > 0), cov, torch.full_like(cov, -math.inf)).reshape(-1)
+    order = torch.argsort(flat, descending=True)
+    sel = torch.zeros(flat.shape, dtype=D64)
+    sel[order[:k]] = 1.0
+    sel[order[k]] = mass - k  # the partly selected token
+    sel = sel.reshape(cov.shape)
     z = logp - old
     r = z.exp()
-    sel = top.to(D64)
     value = ((-r * adv + beta * z.abs() * sel) * mask).sum() / n
     assert res.loss.item() == pytest.approx(value.item(), rel=1e-12)
     want = (-r * adv + beta * sel * torch.sign(z)) * mask / n
     assert torch.allclose(grad, want, atol=1e-14)
-    assert res.metrics["cov/selected_frac"].item() == pytest.approx(k / n)
+    assert res.metrics["cov/selected_frac"].item() == pytest.approx(ratio)
+
+
+def test_kl_cov_zero_advantages_select_nothing_and_the_mass_is_continuous():
+    logp, old, adv, mask = batch(4)
+    res, g = run(kl_cov_loss, logp, old, torch.zeros_like(adv), mask)
+    assert (g == 0).all() and res.metrics["cov/selected_frac"].item() == 0.0
+    losses = [run(kl_cov_loss, logp, old, adv, mask, kl_ratio=r)[0].loss.item() for r in (2e-3, 3e-3, 4e-3)]
+    assert losses[0] < losses[1] < losses[2]  # rN < 1 here: still a continuous (fractional) selection
 
 
 @pytest.mark.parametrize("fn", [clip_cov_loss, kl_cov_loss])

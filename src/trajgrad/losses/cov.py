@@ -11,12 +11,22 @@ log-probability and its advantage. Few tokens carry a large positive covariance
     \operatorname{Cov}_t=(\ell_t-\bar\ell)\,(\hat A_t-\bar A).
 
 * **Clip-Cov**: among the tokens not already clipped by PPO whose covariance lies in
-  :math:`(\omega_{low},\omega_{high})`, pick :math:`k=\max(1,\lfloor rN\rfloor)` *at
-  random* (``N`` valid tokens) and detach their gradient; the rest is the PPO clipped
-  surrogate (§8).
-* **KL-Cov**: the :math:`k=\max(1,\lfloor rN\rfloor)` tokens of *largest* covariance get
-  the unclipped surrogate plus a penalty :math:`\beta|\ell^\theta_t-\ell^{old}_t|`; all
+  :math:`(\omega_{low},\omega_{high})`, pick :math:`rN` tokens' worth *at random*
+  (``N`` valid tokens) and detach their gradient; the rest is the PPO clipped surrogate (§8).
+* **KL-Cov**: the :math:`rN` tokens' worth of *largest positive* covariance get the
+  unclipped surrogate plus a penalty :math:`\beta|\ell^\theta_t-\ell^{old}_t|`; all
   other tokens get the unclipped surrogate :math:`-r_t\hat A_t`.
+
+**Selection mass.** :math:`rN` is rarely an integer: the :math:`\lfloor rN\rfloor`
+chosen tokens are selected fully and one more by the fraction
+:math:`rN-\lfloor rN\rfloor` (its gradient is detached / penalized by that fraction),
+so the selected mass is exactly :math:`rN` and the loss is continuous in :math:`r`. The
+paper's code rounds to an integer count; the two differ by less than one token.
+
+**Batch dependence.** Both the covariance (means over the batch) and the count are
+functions of the batch the loss sees: micro-batches select differently from the full
+batch, so the sum of micro-batch losses with a global denominator is *not* the full-batch
+loss (every other loss here has that property, §13).
 
 Selection is a function of the detached inputs only (and, for Clip-Cov, the generator):
 the same inputs and seed select the same tokens.
@@ -44,9 +54,9 @@ def _covariance(x: Inputs) -> torch.Tensor:
         return (lp - lbar) * (x.advantages - abar) * x.maskf
 
 
-def _count(x: Inputs, ratio: float) -> int:
-    n = int(x.tokens.item())
-    return 0 if n == 0 else max(1, int(math.floor(ratio * n)))
+def _count(x: Inputs, ratio: float) -> float:
+    """The selected mass :math:`rN` (not rounded: see :func:`_select`)."""
+    return ratio * float(x.tokens.item())
 
 
 def _check_ratio(name: str, value: float) -> float:
@@ -55,14 +65,25 @@ def _check_ratio(name: str, value: float) -> float:
     return v
 
 
-def _select(candidates: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool ``[B, L]``: the ``k`` candidates of largest key (all of them if fewer)."""
-    flat = torch.where(candidates.reshape(-1), keys.reshape(-1), torch.full_like(keys.reshape(-1), -math.inf))
-    out = torch.zeros_like(candidates.reshape(-1))
-    k = min(k, int(candidates.sum()))
-    if k > 0:
-        idx = torch.topk(flat, k, sorted=False).indices
-        out[idx] = True
+def _select(candidates: torch.Tensor, keys: torch.Tensor, mass: float, dtype) -> torch.Tensor:
+    r"""Selection weights ``[B, L]`` in [0, 1] of total ``mass`` (or every candidate if fewer).
+
+    The ``floor(mass)`` candidates of largest key get 1, the next one ``mass - floor(mass)``:
+    the selected mass is exactly :math:`rN`, continuous in the ratio (a hard
+    :math:`\max(1,\lfloor rN\rfloor)` selects 1 token for every :math:`rN<2`).
+    """
+    flat_keys = keys.reshape(-1).to(torch.float64)
+    flat = torch.where(candidates.reshape(-1), flat_keys, torch.full_like(flat_keys, -math.inf))
+    out = torch.zeros(flat.shape, dtype=dtype, device=keys.device)
+    n_cand = int(candidates.sum())
+    k = int(math.floor(mass))
+    frac = mass - k
+    take = min(k + (1 if frac > 0 else 0), n_cand)
+    if take > 0:
+        order = torch.topk(flat, take, sorted=True).indices
+        out[order] = 1.0
+        if take == k + 1:
+            out[order[-1]] = frac
     return out.reshape(candidates.shape)
 
 
@@ -91,8 +112,8 @@ def clip_cov_loss(
         s_t,&\text{otherwise}\end{cases},\qquad
         s_t=\min\big(r_t\hat A_t,\operatorname{clip}(r_t,1-\epsilon_l,1+\epsilon_h)\hat A_t\big),
 
-    where :math:`S` is a uniformly random subset of size
-    :math:`\min(k,|C|)`, :math:`k=\max(1,\lfloor\text{clip\_ratio}\cdot N\rfloor)`, of the
+    where :math:`S` is a uniformly random selection of mass
+    :math:`\min(rN,|C|)`, :math:`r=` ``clip_ratio`` (module docstring), of the
     candidates :math:`C=\{t:\ \omega_{low}<\operatorname{Cov}_t<\omega_{high},\ t\text{ not
     clipped by PPO}\}` (covariance in the module docstring). Tokens in :math:`S` keep
     their value in the loss and lose their gradient; every other token has the PPO
@@ -142,12 +163,11 @@ def clip_cov_loss(
         candidates = x.mask & ~clipped & (cov > lo_c) & (cov < hi_c)
         g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
         keys = torch.rand(x.mask.shape, generator=g, dtype=torch.float64).to(cov.device)
-        selected = _select(candidates, keys, _count(x, r))
-        sel_f = selected.to(surrogate.dtype)
+        sel_f = _select(candidates, keys, _count(x, r), surrogate.dtype)
     surrogate = surrogate * (1.0 - sel_f) + surrogate.detach() * sel_f
     loss = aggregate_tokens(weighted(-surrogate, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
-    _cov_metrics(metrics, cov, x, selected, candidates)
+    _cov_metrics(metrics, cov, x, sel_f, candidates)
     return LossResult(loss, metrics)
 
 
@@ -155,7 +175,7 @@ def _cov_metrics(metrics, cov, x, selected, candidates=None) -> None:
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["cov/selected_frac"] = selected.sum().to(dt) / n
+        metrics["cov/selected_frac"] = selected.sum().to(dt) / n  # selected mass / N
         if candidates is not None:
             metrics["cov/candidates_frac"] = candidates.sum().to(dt) / n
         metrics["cov/mean"] = cov.sum().to(dt) / n
@@ -185,12 +205,15 @@ def kl_cov_loss(
         \mathcal L=\operatorname{agg}_t\begin{cases}-r_t\hat A_t+\beta\,|z_t|,&t\in T\\
         -r_t\hat A_t,&\text{otherwise}\end{cases},\qquad z_t=\ell^\theta_t-\ell^{old}_t,
 
-    :math:`T` the :math:`k=\max(1,\lfloor\text{kl\_ratio}\cdot N\rfloor)` valid tokens of
-    largest :math:`\operatorname{Cov}_t` (module docstring; ties broken by
-    ``torch.topk``, deterministic for given inputs). Gradient per token:
+    :math:`T` the :math:`rN` tokens' worth (:math:`r=` ``kl_ratio``; module docstring) of
+    largest positive :math:`\operatorname{Cov}_t` (ties broken by ``torch.topk``,
+    deterministic for given inputs; a token with :math:`\operatorname{Cov}_t\le0` is never
+    penalized, so all-zero advantages give no penalty). With selection weight
+    :math:`w_t\in[0,1]` (1 inside :math:`T`, the fraction for the partial token) the
+    penalty is :math:`w_t\beta|z_t|`. Gradient per token:
 
     .. math::
-        \nabla_\theta\mathcal L_t=\big(-r_t\hat A_t+\beta\,\mathbb 1[t\in T]\,
+        \nabla_\theta\mathcal L_t=\big(-r_t\hat A_t+\beta\,w_t\,
         \operatorname{sign}(z_t)\big)\nabla_\theta\ell^\theta_t
 
     (:math:`\operatorname{sign}(0)=0`). The penalty :math:`|z|` is the absolute sampled
@@ -223,8 +246,7 @@ def kl_cov_loss(
     log_ratio = x.logp - x.behaviour
     cov = _covariance(x)
     with torch.no_grad():
-        selected = _select(x.mask, cov, _count(x, r))
-        sel_f = selected.to(log_ratio.dtype)
+        sel_f = _select(x.mask & (cov > 0), cov, _count(x, r), log_ratio.dtype)
         zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
     ratio = torch.exp(torch.clamp(log_ratio, max=zmax))
     penalty = beta * log_ratio.abs() * sel_f
@@ -232,7 +254,7 @@ def kl_cov_loss(
     loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
     metrics = ratio_metrics(z, x)
-    _cov_metrics(metrics, cov, x, selected)
+    _cov_metrics(metrics, cov, x, sel_f)
     with torch.no_grad():
         metrics["kl_cov/penalty"] = penalty.detach().sum().to(metrics["tokens"].dtype) / metrics["tokens"].clamp_min(1)
     return LossResult(loss, metrics)
