@@ -140,6 +140,31 @@ class RolloutCorrection:
     def __post_init__(self):
         validate(self)
 
+    def __bool__(self) -> bool:
+        """False for the no-op setting (no weight, no mask, decoupled): the correction is off."""
+        return not (self.kind == "none" and self.mode == "decoupled" and self.reject is None
+                    and self.seq_mask_delta is None)
+
+    @classmethod
+    def coerce(cls, value) -> "RolloutCorrection":
+        """``None`` (off), a :class:`RolloutCorrection`, or a dict of its fields (a config's
+        ``recipe.overrides.rollout_correction``)."""
+        if value is None:
+            return OFF
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            names = {f for f in cls.__dataclass_fields__}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ValueError(f"rollout_correction: unknown key {unknown[0]!r} (keys: {', '.join(sorted(names))})")
+            v = dict(value)
+            if "bounds" in v and isinstance(v["bounds"], list):
+                v["bounds"] = tuple(v["bounds"])
+            return cls(**v)
+        raise ValueError(f"rollout_correction: must be None, a RolloutCorrection or a dict of its fields, "
+                         f"got {value!r}")
+
     def __call__(self, behaviour_logp, target_logp, mask, *, advantages=None) -> Correction:
         return rollout_correction(
             behaviour_logp, target_logp, mask, advantages=advantages, kind=self.kind, level=self.level,
@@ -149,6 +174,8 @@ class RolloutCorrection:
 
     def describe(self) -> str:
         """One line for ``explain``."""
+        if not self:
+            return "off"
         if self.kind == "tis":
             w = f"truncated IS min(rho, {self.cap:g}) at {self.level} level"
         elif self.kind == "mis":
@@ -166,6 +193,8 @@ class RolloutCorrection:
 
 
 def _finite_number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -348,4 +377,6 @@ def rollout_correction(
     return Correction(weight.detach(), keep, metrics)
 
 
-__all__ = ["Correction", "RolloutCorrection", "rollout_correction", "KINDS", "LEVELS", "MODES", "REJECT"]
+OFF = RolloutCorrection(kind="none")  # the no-op setting: Objective's default ("None = off")
+
+__all__ = ["OFF", "Correction", "RolloutCorrection", "rollout_correction", "KINDS", "LEVELS", "MODES", "REJECT"]
