@@ -147,17 +147,39 @@ def _sample_positions(numel: int, device) -> torch.Tensor:
     return idx
 
 
-def _sampled_quantiles(z: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
+def _sampled_quantiles(z: torch.Tensor, maskf: torch.Tensor) -> Optional[torch.Tensor]:
     flat_z = z.reshape(-1)
-    flat_m = mask.reshape(-1)
+    flat_m = maskf.reshape(-1)
     if flat_z.numel() > QUANTILE_POSITIONS:
         idx = _sample_positions(flat_z.numel(), flat_z.device)
-        valid = torch.take(flat_z, idx)[torch.take(flat_m, idx)]
+        valid = torch.take(flat_z, idx)[torch.take(flat_m, idx) != 0]
         if valid.numel() == 0:  # the sample missed every valid token: use them all
-            valid = flat_z[flat_m]
+            valid = flat_z[flat_m != 0]
     else:
-        valid = flat_z[flat_m]
+        valid = flat_z[flat_m != 0]
     return _quantiles(valid) if valid.numel() else None
+
+
+def _valid_extrema(z: torch.Tensor, maskf: torch.Tensor, n: torch.Tensor):
+    """(min, max) of ``z`` over valid slots; ``z`` is 0 at masked slots.
+
+    The extrema of the whole tensor are those of the valid entries unless a masked 0 could
+    be the extremum (all valid entries on one side of 0): only then is the mask applied.
+    """
+    if z.numel() == 0:
+        zero = torch.zeros((), dtype=z.dtype, device=z.device)
+        return zero, zero
+    lo, hi = torch.aminmax(z)
+    full = int(n.item()) == z.numel()
+    if not full and (float(lo) == 0.0 or float(hi) == 0.0):
+        mask = maskf != 0
+        if not bool(mask.any()):
+            zero = torch.zeros((), dtype=z.dtype, device=z.device)
+            return zero, zero
+        inf = torch.full((), float("inf"), dtype=z.dtype, device=z.device)
+        lo = torch.where(mask, z, inf).amin()
+        hi = torch.where(mask, z, -inf).amax()
+    return lo, hi
 
 
 def _fast_policy_metrics(
@@ -174,51 +196,48 @@ def _fast_policy_metrics(
 ) -> Dict[str, torch.Tensor]:
     """:func:`policy_metrics` on sanitized inputs: ``z`` and ``adv`` exactly 0 at masked slots.
 
-    ``maskf`` is the 0/1 mask as floats, ``tokens`` its sum; ``ratio`` (optional) is
+    ``maskf`` is the 0/1 mask as floats (``mask``, the bool one, is not read), ``tokens`` its sum; ``ratio`` (optional) is
     ``exp(z)`` already computed by the caller. Every statistic is a sum or an extremum
     (no boolean indexing, no sort of all tokens).
     """
     with torch.no_grad():
         z = _metric_dtype(z.detach())
         dt = z.dtype
-        mf = maskf.to(dt)
         n = tokens.to(dt)
         d = n.clamp_min(1.0)
         has = n > 0
         one = torch.ones((), dtype=dt, device=z.device)
         zero = torch.zeros((), dtype=dt, device=z.device)
-        r = torch.exp(z) if ratio is None else _metric_dtype(ratio.detach())
-        flat_mf = mf.reshape(-1)
-        ratio_mean = torch.dot(r.reshape(-1), flat_mf) / d
-        pen = (1.0 - mf) * 1e30
-        zmax = (z - pen).amax() if z.numel() else zero
-        zmin = (z + pen).amin() if z.numel() else zero
-        out: Dict[str, torch.Tensor] = {
-            "tokens": n,
-            "ratio/mean": torch.where(has, ratio_mean, one),
-            "ratio/min": torch.where(has, zmin.exp(), one),
-            "ratio/max": torch.where(has, zmax.exp(), one),
-        }
-        qs = _sampled_quantiles(z, mask)
+        # one elementwise pass: e^z - 1 (0 at masked slots, where z = 0) gives both the mean
+        # ratio (sum + N) and k3 = mean(e^z - 1 - z) (sum - sum z)
+        em1 = torch.expm1(z)
+        sum_z = z.sum()
+        sum_em1 = em1.sum()
+        out: Dict[str, torch.Tensor] = {"tokens": n, "ratio/mean": torch.where(has, (sum_em1 + n) / d, one)}
+        mf = maskf.to(dt)
+        zmin, zmax = _valid_extrema(z, mf, n)
+        out["ratio/min"] = torch.where(has, zmin.exp(), one)
+        out["ratio/max"] = torch.where(has, zmax.exp(), one)
+        qs = _sampled_quantiles(z, mf)
         for i, key in enumerate(QUANTILES):
             out[f"log_ratio/{key}"] = zero.clone() if qs is None else qs[i]
-        out["kl/k1"] = -z.sum() / d
-        out["kl/k3"] = (torch.expm1(z) - z).sum() / d
+        out["kl/k1"] = -sum_z / d
+        out["kl/k3"] = (sum_em1 - sum_z).clamp_min(0.0) / d
         if lo_b is not None:
             pos = adv > 0
             neg = adv < 0
-            high = z > hi_b
+            high = z > hi_b  # masked slots hold z = 0, inside every range
             low = z < lo_b
 
             def frac(sel: torch.Tensor) -> torch.Tensor:
-                return sel.sum().to(dt) / d
+                return torch.count_nonzero(sel).to(dt) / d
 
             out["clip_frac/pos_high"] = frac(pos & high)
             out["clip_frac/pos_low"] = frac(pos & low)
             out["clip_frac/neg_high"] = frac(neg & high)
             out["clip_frac/neg_low"] = frac(neg & low)
             out["clip_frac"] = out["clip_frac/pos_high"] + out["clip_frac/neg_low"]
-            out["ratio/out_of_range_frac"] = (high.sum() + low.sum()).to(dt) / d
+            out["ratio/out_of_range_frac"] = (torch.count_nonzero(high) + torch.count_nonzero(low)).to(dt) / d
     if prefix:
         out = {prefix + k: v for k, v in out.items()}
     return out

@@ -25,22 +25,76 @@ product instead of three comparisons.
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, Optional
 
 import torch
 
 from .. import _checks
 from ..aggregate import MODES, _validate_mode
 
-class Inputs(NamedTuple):
-    logp: torch.Tensor  # [B, L] attached, exactly 0 at masked positions
-    mask: torch.Tensor  # [B, L] bool
-    maskf: torch.Tensor  # [B, L] 0/1 in logp's dtype
-    advantages: torch.Tensor  # [B, L] detached, 0 at masked positions
-    behaviour: Optional[torch.Tensor]  # [B, L] detached, 0 at masked positions
-    lengths: torch.Tensor  # [B] valid-token count per row (logp's dtype)
-    tokens: torch.Tensor  # 0-D valid-token count (logp's dtype)
-    adv_seq: Optional[torch.Tensor]  # [B] when advantages were given per sequence, else None
+class Inputs:
+    """Validated inputs of a policy loss (see the module docstring).
+
+    ``logp`` and ``behaviour`` (exactly 0 at masked slots) and the bool ``mask`` are formed
+    on first use; on the fast path the losses avoid them with :meth:`log_ratio` and
+    :attr:`logp_factor`.
+    """
+
+    __slots__ = ("raw_logp", "maskf", "advantages", "raw_behaviour", "lengths", "tokens", "adv_seq", "finite",
+                 "_mask", "_logp", "_behaviour", "_z")
+
+    def __init__(self, raw_logp, mask, maskf, advantages, raw_behaviour, lengths, tokens, adv_seq, finite,
+                 logp=None, behaviour=None):
+        self.raw_logp = raw_logp  # [B, L] attached; finite everywhere when ``finite``
+        self.maskf = maskf  # [B, L] 0/1 in logp's dtype
+        self.advantages = advantages  # [B, L] detached, exactly 0 at masked slots
+        self.raw_behaviour = raw_behaviour  # [B, L] detached or None
+        self.lengths = lengths  # [B] valid tokens per row
+        self.tokens = tokens  # 0-D valid-token count
+        self.adv_seq = adv_seq  # [B] when advantages were given per sequence
+        self.finite = finite  # every stored value of every input is finite (the fast path)
+        self._mask = mask
+        self._logp = logp
+        self._behaviour = behaviour
+        self._z = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[B, L]`` bool action mask."""
+        if self._mask is None:
+            self._mask = self.maskf.bool()
+        return self._mask
+
+    @property
+    def logp(self) -> torch.Tensor:
+        """``[B, L]`` attached log-probs, exactly 0 at masked slots."""
+        if self._logp is None:
+            self._logp = self.raw_logp * self.maskf
+        return self._logp
+
+    @property
+    def behaviour(self) -> Optional[torch.Tensor]:
+        """``[B, L]`` detached ratio log-probs, exactly 0 at masked slots (or None)."""
+        if self._behaviour is None and self.raw_behaviour is not None:
+            self._behaviour = self.raw_behaviour * self.maskf
+        return self._behaviour
+
+    @property
+    def logp_factor(self) -> torch.Tensor:
+        """Log-probs to multiply by a coefficient that is exactly 0 at masked slots.
+
+        On the fast path the raw (finite) log-probs: ``0 * finite`` is 0 in value and gradient.
+        """
+        return self.raw_logp if self.finite else self.logp
+
+    def log_ratio(self) -> torch.Tensor:
+        """``[B, L]`` attached :math:`\ell^\theta-\mathrm{sg}[\ell^{old}]`, exactly 0 at masked slots."""
+        if self._z is None:
+            if self.finite:
+                self._z = (self.raw_logp - self.raw_behaviour).mul_(self.maskf)
+            else:
+                self._z = self.logp - self.behaviour
+        return self._z
 
 
 def _as_mask(mask, shape, dtype) -> tuple:
@@ -49,12 +103,13 @@ def _as_mask(mask, shape, dtype) -> tuple:
     if mask.dtype == torch.bool:
         return mask, mask.to(dtype)
     mf = mask.to(dtype)
-    if _checks.values_checked():
-        v = (mf * (1.0 - mf)).reshape(-1)
-        if float(torch.dot(v, v)) != 0.0:  # NaN != 0 too
+    if _checks.values_checked() and mf.numel():
+        lo, hi = torch.aminmax(mf)
+        # integral and within [0, 1] <=> 0/1 (NaN fails both); exact, one temporary
+        if not (bool(lo >= 0) and bool(hi <= 1) and torch.equal(mf, torch.round(mf))):
             _checks.check_mask("mask", mask)  # raises with the offending value
             raise ValueError("mask: must contain only 0 and 1")  # pragma: no cover
-    return mf.bool(), mf
+    return None, mf
 
 
 def prepare(
@@ -88,31 +143,30 @@ def prepare(
         beh = _checks.as_tensor(behaviour_name, behaviour).detach()
         _checks.check_floating(behaviour_name, beh)
         _checks.check_shape(behaviour_name, beh, shape, against="mask")
+        beh = beh.to(logp.dtype)
     with torch.no_grad():
         total = logp.detach().sum() + adv.sum()
         if beh is not None:
             total = total + beh.sum()
         finite = bool(torch.isfinite(total))
-    adv_seq = None
-    if finite:
-        logp_s = logp * mf
-        if adv.ndim == 1:
-            adv_seq = adv.to(logp.dtype)
-            adv_s = adv_seq[:, None] * mf
-        else:
-            adv_s = adv.to(logp.dtype) * mf
-        beh_s = None if beh is None else beh.to(logp.dtype) * mf
-    else:
-        logp_s = _checks.per_token("logp", logp, shape, mb)
-        if adv.ndim == 1:
-            _checks.check_finite(advantages_name, adv, mb.any(-1))
-            adv_seq = _checks.fill_masked(adv, mb.any(-1)).to(logp.dtype)
-            adv_s = _checks.fill_masked(adv_seq[:, None].expand(shape), mb)
-        else:
-            adv_s = _checks.per_token(advantages_name, adv, shape, mb).to(logp.dtype)
-        beh_s = None if beh is None else _checks.per_token(behaviour_name, beh, shape, mb).to(logp.dtype)
+    adv = adv.to(logp.dtype)
     lengths = mf.sum(-1)
-    return Inputs(logp_s, mb, mf, adv_s, beh_s, lengths, lengths.sum(), adv_seq)
+    if finite:
+        if adv.ndim == 1:
+            return Inputs(logp, mb, mf, adv[:, None] * mf, beh, lengths, lengths.sum(), adv, True)
+        return Inputs(logp, mb, mf, adv * mf, beh, lengths, lengths.sum(), None, True)
+    mb = mf.bool() if mb is None else mb
+    logp_s = _checks.per_token("logp", logp, shape, mb)
+    adv_seq = None
+    if adv.ndim == 1:
+        _checks.check_finite(advantages_name, adv, mb.any(-1))
+        adv_seq = _checks.fill_masked(adv, mb.any(-1))
+        adv_s = _checks.fill_masked(adv_seq[:, None].expand(shape), mb)
+    else:
+        adv_s = _checks.per_token(advantages_name, adv, shape, mb)
+    beh_s = None if beh is None else _checks.per_token(behaviour_name, beh, shape, mb)
+    return Inputs(logp_s, mb, mf, adv_s, beh_s, lengths, lengths.sum(), adv_seq, False, logp=logp_s,
+                  behaviour=beh_s)
 
 
 def _denominator(denominator, dtype, device) -> Optional[torch.Tensor]:
@@ -210,7 +264,7 @@ def ratio_metrics(
     from ..diagnostics import _fast_policy_metrics
 
     return _fast_policy_metrics(
-        z, x.advantages, x.mask, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b, prefix=prefix
+        z, x.advantages, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b, prefix=prefix
     )
 
 
@@ -230,6 +284,13 @@ def token_weights(weights, x: Inputs, name: str = "weights") -> Optional[torch.T
     return _checks.fill_masked(w, x.mask)
 
 
+def valid_sum(t: torch.Tensor, x: Inputs) -> torch.Tensor:
+    """Sum of a detached ``[B, L]`` tensor over valid slots (``t`` finite on the fast path)."""
+    if x.finite:
+        return torch.dot(t.reshape(-1), x.maskf.reshape(-1).to(t.dtype))
+    return _checks.fill_masked(t, x.mask).sum()
+
+
 def weighted(term: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
     """``term * w`` (``w`` from :func:`token_weights`, finite), or ``term`` when ``w`` is None."""
     return term if w is None else term * w
@@ -240,4 +301,4 @@ WEIGHTS_DOC = """weights: optional ``[B, L]`` per-token multiplier of the per-to
         with weight 0 leaves the numerator but keeps its place in the denominator."""
 
 __all__ = ["Inputs", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",
-           "token_weights", "weighted"]
+           "token_weights", "weighted", "valid_sum"]

@@ -80,16 +80,16 @@ def cispo_loss(
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     w = token_weights(weights, x)
     with torch.no_grad():
-        z = x.logp - x.behaviour  # 0 at masked positions
+        z = x.log_ratio().detach()  # 0 at masked positions
         r_hat = torch.exp(torch.clamp(z, min=lo_b, max=hi_b))
-    term = -((r_hat * x.advantages) * x.logp)
+    term = -((r_hat * x.advantages) * x.logp_factor)
     loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["weight/clipped_high"] = (z > hi_b).sum().to(dt) / n
-        metrics["weight/clipped_low"] = (z < lo_b).sum().to(dt) / n
+        metrics["weight/clipped_high"] = torch.count_nonzero(z > hi_b).to(dt) / n
+        metrics["weight/clipped_low"] = torch.count_nonzero(z < lo_b).to(dt) / n
         metrics["weight/mean"] = torch.dot(r_hat.reshape(-1).to(dt), x.maskf.reshape(-1).to(dt)) / n
     return LossResult(loss, metrics)
 

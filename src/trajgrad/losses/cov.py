@@ -154,7 +154,7 @@ def clip_cov_loss(
         raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     w = token_weights(weights, x)
-    log_ratio = x.logp - x.behaviour
+    log_ratio = x.log_ratio()
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
     cov = _covariance(x)
     with torch.no_grad():
@@ -243,7 +243,7 @@ def kl_cov_loss(
         raise ValueError(f"kl_coef: must be finite, got {kl_coef}")
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     w = token_weights(weights, x)
-    log_ratio = x.logp - x.behaviour
+    log_ratio = x.log_ratio()
     cov = _covariance(x)
     with torch.no_grad():
         sel_f = _select(x.mask & (cov > 0), cov, _count(x, r), log_ratio.dtype)

@@ -70,7 +70,7 @@ def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_c
     w = token_weights(weights, x)
     with torch.no_grad():
         lp = x.logp.detach()
-        z = lp - x.behaviour  # 0 at masked slots
+        z = x.log_ratio().detach()  # 0 at masked slots
         up = z > 0  # the update raised the sampled token's probability
         down = z < 0
         pos = x.advantages > 0
@@ -98,14 +98,14 @@ def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_c
         zmax = math.log(cap) if cap is not None else math.log(torch.finfo(z.dtype).max) - 1.0
         ratio = torch.exp(torch.clamp(z, max=zmax))
         coef = keep * ratio * x.advantages
-    term = -(coef * x.logp)
+    term = -(coef * x.logp_factor)
     loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["mask_frac/pos_high"] = masked_pos.sum().to(dt) / n
-        metrics["mask_frac/neg_low"] = masked_neg.sum().to(dt) / n
+        metrics["mask_frac/pos_high"] = torch.count_nonzero(masked_pos).to(dt) / n
+        metrics["mask_frac/neg_low"] = torch.count_nonzero(masked_neg).to(dt) / n
         metrics["mask_frac"] = metrics["mask_frac/pos_high"] + metrics["mask_frac/neg_low"]
         name = "tv" if kind == "tv" else "binary_kl"
         metrics[f"{name}/mean"] = divergence.sum().to(dt) / n

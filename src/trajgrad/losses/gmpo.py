@@ -94,7 +94,7 @@ def gmpo_loss(
         negf = -torch.sign(seq_adv).clamp(max=0.0)[:, None]  # 1 where A_i < 0
         upper = negf * _FAR + ch  # A >= 0: c_h (A = 0 only keeps exp finite)
         lower = (negf - 1.0) * _FAR - cl  # A < 0: -c_l
-    z = x.logp - x.behaviour
+    z = x.log_ratio()
     z_tilde = torch.clamp(z, min=lower, max=upper)  # 0 at masked slots (z = 0 lies inside)
     log_s = z_tilde.sum(-1) / x.lengths.clamp_min(1)  # [B]
     j = seq_adv * torch.exp(log_s)  # 0 on empty rows (A = 0)
@@ -115,8 +115,8 @@ def gmpo_loss(
         metrics = _fast_policy_metrics(log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum())
         metrics["sequences"] = metrics.pop("tokens")
         metrics["tokens"] = x.tokens.detach()
-        metrics["clip_frac/pos_high"] = high.sum().to(dt) / n
-        metrics["clip_frac/neg_low"] = low.sum().to(dt) / n
+        metrics["clip_frac/pos_high"] = torch.count_nonzero(high).to(dt) / n
+        metrics["clip_frac/neg_low"] = torch.count_nonzero(low).to(dt) / n
         metrics["clip_frac"] = metrics["clip_frac/pos_high"] + metrics["clip_frac/neg_low"]
     return LossResult(loss, metrics)
 

@@ -82,7 +82,7 @@ def gspo_loss(
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
-    log_s = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
+    log_s = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
     j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
     w = token_weights(weights, x)
     if w is None:
@@ -155,9 +155,10 @@ def gspo_token_loss(
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     with torch.no_grad():
-        log_s = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)
+        log_s = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)
         z = log_s[:, None] * x.maskf  # the value of log s_{i,t}: log s_i at valid tokens, 0 elsewhere
-    log_ratio = z + (x.logp - x.logp.detach())  # carrier: value 0, gradient d logp (0 where masked)
+    lp = x.logp_factor
+    log_ratio = z + (lp - lp.detach())  # carrier: value 0, gradient d logp (times A = 0 where masked)
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
     loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant,
                             denominator=denominator)

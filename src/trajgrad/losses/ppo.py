@@ -146,7 +146,7 @@ def ppo_clip_loss(
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     c = _check_dual_clip(dual_clip)
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
-    log_ratio = x.logp - x.behaviour  # exactly 0 at masked positions
+    log_ratio = x.log_ratio()  # exactly 0 at masked positions
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b, c)
     loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
@@ -157,7 +157,7 @@ def ppo_clip_loss(
             metrics["clip_frac/dual"] = torch.zeros((), dtype=dt, device=z.device)
         else:
             dual = (x.advantages < 0) & (z > math.log(c))
-            metrics["clip_frac/dual"] = dual.sum().to(dt) / metrics["tokens"].clamp_min(1)
+            metrics["clip_frac/dual"] = torch.count_nonzero(dual).to(dt) / metrics["tokens"].clamp_min(1)
     return LossResult(loss, metrics)
 
 

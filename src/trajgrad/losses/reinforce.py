@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, token_weights, weighted
+from ._common import aggregate_tokens, prepare, token_weights, valid_sum, weighted
 
 
 def reinforce_loss(
@@ -56,7 +56,7 @@ def reinforce_loss(
       ``logp/mean`` (valid-token means, detached).
     """
     x = prepare(logp, mask, advantages, aggregation=aggregation)
-    term = -x.advantages * x.logp
+    term = -(x.advantages * x.logp_factor)
     loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         n = x.tokens
@@ -64,7 +64,7 @@ def reinforce_loss(
         metrics = {
             "tokens": n,
             "advantage/mean": x.advantages.sum() / d,
-            "logp/mean": x.logp.detach().sum() / d,
+            "logp/mean": valid_sum(x.raw_logp.detach(), x) / d,
         }
     return LossResult(loss, metrics)
 

@@ -102,25 +102,25 @@ def sao_dis_loss(
     x = prepare(
         logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
     )
-    log_ratio = x.logp - x.behaviour  # finite, 0 at masked positions
+    log_ratio = x.log_ratio()  # finite, 0 at masked positions
     z = log_ratio.detach()
     with torch.no_grad():
-        rej_low = (z <= lo_b) & x.mask
+        rej_low = z <= lo_b  # z = 0 > lo_b at masked positions
         rej_high = z >= hi_b  # z = 0 < hi_b at masked positions
         trusted_f = x.maskf - rej_low.to(z.dtype) - rej_high.to(z.dtype)
     # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
     # rejected token's weight is a finite value times 0.
     ratio = torch.exp(torch.clamp(log_ratio if ratio_gradient == "attached" else z, max=hi_b))
     weight = ratio * trusted_f
-    term = -(weight * x.advantages) * x.logp
+    term = -(weight * x.advantages) * x.logp_factor
     loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
         metrics["trust/accepted"] = trusted_f.sum().to(dt) / n
-        metrics["trust/rejected_low"] = rej_low.sum().to(dt) / n
-        metrics["trust/rejected_high"] = rej_high.sum().to(dt) / n
+        metrics["trust/rejected_low"] = torch.count_nonzero(rej_low).to(dt) / n
+        metrics["trust/rejected_high"] = torch.count_nonzero(rej_high).to(dt) / n
     return LossResult(loss, metrics)
 
 

@@ -129,11 +129,11 @@ def sapo_loss(
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     if level == "sequence":
         adv = sequence_advantages(x, loss="sequence-level SAPO")  # [B]
-        log_ratio = (x.logp - x.behaviour).sum(-1) / x.lengths.clamp_min(1)  # [B] attached
+        log_ratio = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)  # [B] attached
         valid_f = (x.lengths > 0).to(adv.dtype)
     else:
         adv = x.advantages
-        log_ratio = x.logp - x.behaviour
+        log_ratio = x.log_ratio()
         valid_f = x.maskf
     with torch.no_grad():
         posf = torch.sign(adv).clamp(min=0.0)  # 1 where A > 0 (0 at masked slots)
