@@ -88,7 +88,7 @@ class Inputs:
         return self.raw_logp if self.finite else self.logp
 
     def log_ratio(self) -> torch.Tensor:
-        """``[B, L]`` attached :math:`\ell^\theta-\mathrm{sg}[\ell^{old}]`, exactly 0 at masked slots."""
+        r"""``[B, L]`` attached :math:`\ell^\theta-\mathrm{sg}[\ell^{old}]`, exactly 0 at masked slots."""
         if self._z is None:
             if self.finite:
                 self._z = (self.raw_logp - self.raw_behaviour).mul_(self.maskf)
