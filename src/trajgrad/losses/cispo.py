@@ -81,16 +81,19 @@ def cispo_loss(
     w = token_weights(weights, x)
     with torch.no_grad():
         z = x.log_ratio().detach()  # 0 at masked positions
-        r_hat = torch.exp(torch.clamp(z, min=lo_b, max=hi_b))
-    term = -((r_hat * x.advantages) * x.logp_factor)
-    loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+        r_hat = torch.clamp(z, min=lo_b, max=hi_b).exp_()
+        r_sum = torch.dot(r_hat.reshape(-1), x.maskf.reshape(-1))
+        coef = r_hat.mul_(x.advantages)
+    term = coef * x.logp_factor  # the negation is applied to the scalar
+    loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
         metrics["weight/clipped_high"] = torch.count_nonzero(z > hi_b).to(dt) / n
-        metrics["weight/clipped_low"] = torch.count_nonzero(z < lo_b).to(dt) / n
-        metrics["weight/mean"] = torch.dot(r_hat.reshape(-1).to(dt), x.maskf.reshape(-1).to(dt)) / n
+        zero = torch.zeros((), dtype=dt, device=z.device)
+        metrics["weight/clipped_low"] = torch.count_nonzero(z < lo_b).to(dt) / n if lo_b > -math.inf else zero
+        metrics["weight/mean"] = r_sum.to(dt) / n
     return LossResult(loss, metrics)
 
 

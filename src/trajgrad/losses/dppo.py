@@ -57,8 +57,9 @@ def _check_cap(cap: Optional[float]) -> Optional[float]:
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """:math:`\\log(1-e^{x})` for :math:`x<0`, accurate near 0 and for very negative x."""
-    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """:math:`\\log(1-e^{x})` for :math:`x<0` (``expm1`` keeps it accurate near 0; for very
+    negative x the absolute error is one rounding of 1, negligible against a KL threshold)."""
+    return torch.expm1(x).neg_().log_()
 
 
 def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_cap, weights, aggregation,
@@ -71,35 +72,30 @@ def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_c
     with torch.no_grad():
         lp = x.logp.detach()
         z = x.log_ratio().detach()  # 0 at masked slots
-        up = z > 0  # the update raised the sampled token's probability
-        down = z < 0
-        pos = x.advantages > 0
+        pos = x.advantages > 0  # false at masked slots (A = 0)
         neg = x.advantages < 0
         if kind == "tv":
-            div = torch.exp(lp) - torch.exp(x.behaviour)  # signed p - q; 0 at masked slots
-            out_high = div > dh
-            out_low = div < -dl
-            divergence = div.abs()
+            div = torch.exp(lp).sub_(torch.exp(x.behaviour))  # signed p - q; 0 at masked slots
+            masked_pos = pos & (div > dh)
+            masked_neg = neg & (div < -dl)
+            divergence = div.abs_()
         else:
             lq = x.behaviour.clamp(max=_P_MAX_LOG)
             lpc = lp.clamp(max=_P_MAX_LOG)
             q = torch.exp(lq)
-            kl = q * (lq - lpc) + (1.0 - q) * (_log1mexp(lq) - _log1mexp(lpc))
-            kl = kl * x.maskf
-            out_high = up & (kl > dh)
-            out_low = down & (kl > dl)
+            kl = (lq - lpc).mul_(q).add_((_log1mexp(lq) - _log1mexp(lpc)).mul_(1.0 - q))
+            kl = kl.mul_(x.maskf)
+            masked_pos = pos & (z > 0) & (kl > dh)  # the update raised p, moving away from q
+            masked_neg = neg & (z < 0) & (kl > dl)
             divergence = kl
         # Masked only when the step moves further out of the region in the advantage's direction.
-        masked_pos = pos & out_high
-        masked_neg = neg & out_low
-        keep = x.maskf - masked_pos.to(z.dtype) - masked_neg.to(z.dtype)
+        drop = masked_pos | masked_neg
         # The weight is never formed as inf (a masked token's 0 * inf would be NaN): without a
         # cap, z is clamped at the largest finite exponent of the dtype.
         zmax = math.log(cap) if cap is not None else math.log(torch.finfo(z.dtype).max) - 1.0
-        ratio = torch.exp(torch.clamp(z, max=zmax))
-        coef = keep * ratio * x.advantages
-    term = -(coef * x.logp_factor)
-    loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+        coef = torch.clamp(z, max=zmax).exp_().mul_((~drop).to(z.dtype)).mul_(x.advantages)
+    term = coef * x.logp_factor  # the negation is applied to the scalar
+    loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype

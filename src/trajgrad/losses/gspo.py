@@ -160,8 +160,8 @@ def gspo_token_loss(
     lp = x.logp_factor
     log_ratio = z + (lp - lp.detach())  # carrier: value 0, gradient d logp (times A = 0 where masked)
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
-    loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant,
-                            denominator=denominator)
+    loss = -aggregate_tokens(weighted(surrogate, token_weights(weights, x)), x, aggregation, constant=constant,
+                             denominator=denominator)
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     return LossResult(loss, metrics)
 

@@ -61,12 +61,14 @@ def _clipped_surrogate(
     Only arithmetic is used (no ``torch.where``): the bounds are exact because each is
     ``bound + 0`` where it applies.
     """
-    negf = -torch.sign(adv).clamp(max=0.0)  # 1 where A < 0, else 0
-    upper = negf * _FAR + hi_b
-    lower = (negf - 1.0) * _FAR + lo_b
+    with torch.no_grad():
+        negf = torch.sign(adv).clamp_(max=0.0).neg_()  # 1 where A < 0, else 0
+        upper = (negf * _FAR).add_(hi_b)
+        lower = (negf - 1.0).mul_(_FAR).add_(lo_b)
+        if dual_clip is not None:
+            # A < 0: min(upper, log c) = log c exactly; A >= 0: upper
+            upper = torch.minimum(upper, (1.0 - negf).mul_(_FAR).add_(math.log(dual_clip)))
     z = torch.clamp(log_ratio, min=lower, max=upper)
-    if dual_clip is not None:
-        z = torch.clamp(z, max=(1.0 - negf) * _FAR + math.log(dual_clip))
     return adv * torch.exp(z)
 
 
@@ -148,7 +150,7 @@ def ppo_clip_loss(
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     log_ratio = x.log_ratio()  # exactly 0 at masked positions
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b, c)
-    loss = aggregate_tokens(weighted(-surrogate, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    loss = -aggregate_tokens(weighted(surrogate, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     with torch.no_grad():

@@ -56,8 +56,8 @@ def reinforce_loss(
       ``logp/mean`` (valid-token means, detached).
     """
     x = prepare(logp, mask, advantages, aggregation=aggregation)
-    term = -(x.advantages * x.logp_factor)
-    loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    term = x.advantages * x.logp_factor  # the negation is applied to the scalar
+    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         n = x.tokens
         d = n.clamp_min(1)

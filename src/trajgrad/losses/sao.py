@@ -105,22 +105,27 @@ def sao_dis_loss(
     log_ratio = x.log_ratio()  # finite, 0 at masked positions
     z = log_ratio.detach()
     with torch.no_grad():
-        rej_low = z <= lo_b  # z = 0 > lo_b at masked positions
-        rej_high = z >= hi_b  # z = 0 < hi_b at masked positions
-        trusted_f = x.maskf - rej_low.to(z.dtype) - rej_high.to(z.dtype)
+        trusted = (z > lo_b) & (z < hi_b)  # true at masked positions (z = 0), where A = 0
+        trusted_f = trusted.to(z.dtype)
     # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
     # rejected token's weight is a finite value times 0.
-    ratio = torch.exp(torch.clamp(log_ratio if ratio_gradient == "attached" else z, max=hi_b))
-    weight = ratio * trusted_f
-    term = -(weight * x.advantages) * x.logp_factor
-    loss = aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    if ratio_gradient == "attached":
+        coef = torch.exp(torch.clamp(log_ratio, max=hi_b)) * (trusted_f.mul_(x.advantages))
+    else:
+        with torch.no_grad():
+            coef = torch.clamp(z, max=hi_b).exp_().mul_(trusted_f).mul_(x.advantages)
+    term = coef * x.logp_factor
+    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["trust/accepted"] = trusted_f.sum().to(dt) / n
-        metrics["trust/rejected_low"] = torch.count_nonzero(rej_low).to(dt) / n
-        metrics["trust/rejected_high"] = torch.count_nonzero(rej_high).to(dt) / n
+        n_masked = x.maskf.numel() - metrics["tokens"]
+        accepted = torch.count_nonzero(trusted).to(dt) - n_masked
+        rej_low = torch.count_nonzero(z <= lo_b).to(dt)  # masked slots (z = 0) are never rejected
+        metrics["trust/accepted"] = accepted / n
+        metrics["trust/rejected_low"] = rej_low / n
+        metrics["trust/rejected_high"] = (metrics["tokens"] - accepted - rej_low) / n
     return LossResult(loss, metrics)
 
 

@@ -28,18 +28,18 @@ def _check_tau(name: str, tau: float) -> float:
 LEVELS = ("token", "sequence")
 
 
-def _gate(log_ratio: torch.Tensor, tau: torch.Tensor) -> tuple:
-    r"""``(f(r), gate)`` with :math:`f=\frac4\tau\sigma(\tau(r-1))`, :math:`r=e^z` kept finite.
+def _gate(log_ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    r""":math:`p=\sigma(\tau(r-1))`, :math:`r=e^z` kept finite.
 
-    ``z`` is clamped at the largest finite exponent: beyond it :math:`\sigma` has
-    saturated to 1 in every float dtype, so the value is unchanged and the gradient 0
-    (the true gradient :math:`4p(1-p)r` has underflowed to 0 long before).
+    ``z`` is clamped at the largest finite exponent (only if some entry exceeds it): beyond
+    it :math:`\sigma` has saturated to 1 in every float dtype, so the value is unchanged and
+    the gradient 0 (the true gradient :math:`4p(1-p)r` has underflowed to 0 long before).
     """
     zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
-    ratio = torch.exp(torch.clamp(log_ratio, max=zmax))
-    p = torch.sigmoid(tau * (ratio - 1.0))
-    f = (4.0 / tau) * p
-    return f, p
+    if log_ratio.numel() and float(log_ratio.detach().amax()) > zmax:
+        log_ratio = torch.clamp(log_ratio, max=zmax)
+    ratio = torch.exp(log_ratio)
+    return torch.sigmoid((ratio - 1.0).mul_(tau))
 
 
 def sapo_loss(
@@ -136,16 +136,17 @@ def sapo_loss(
         log_ratio = x.log_ratio()
         valid_f = x.maskf
     with torch.no_grad():
-        posf = torch.sign(adv).clamp(min=0.0)  # 1 where A > 0 (0 at masked slots)
-        tau = posf * tp + (1.0 - posf) * tn  # exact: one of the two products is 0
-    f, p = _gate(log_ratio, tau)
-    term = -(f * adv)  # 0 at masked slots / empty rows (A = 0 there)
+        posf = torch.sign(adv).clamp_(min=0.0)  # 1 where A > 0 (0 at masked slots)
+        tau = (posf * (tp - tn)).add_(tn)  # tau_neg exactly where A <= 0; tau_pos up to one rounding
+        coef = torch.div(adv, tau).mul_(4.0)  # 4 A / tau, detached evidence
+    p = _gate(log_ratio, tau)
+    term = p * coef  # f(r) A; 0 at masked slots / empty rows (A = 0 there); negated on the scalar
     w = token_weights(weights, x)
     if level == "sequence":
         if w is None:
-            loss = aggregate_sequences(term, x, aggregation, constant=constant, denominator=denominator)
+            loss = -aggregate_sequences(term, x, aggregation, constant=constant, denominator=denominator)
         else:  # the response term spread over its tokens, each weighted
-            loss = aggregate_tokens(term[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
+            loss = -aggregate_tokens(term[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
         with torch.no_grad():
             nonempty = (x.lengths > 0)[:, None]
             metrics = _fast_policy_metrics(log_ratio.detach()[:, None], adv[:, None], nonempty, valid_f[:, None],
@@ -154,18 +155,21 @@ def sapo_loss(
         metrics["tokens"] = x.tokens.detach()
         count = metrics["sequences"]
     else:
-        loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+        loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
         metrics = ratio_metrics(log_ratio.detach(), x)
         count = metrics["tokens"]
     with torch.no_grad():
-        p = p.detach()
-        gate = 4.0 * p * (1.0 - p)
+        pd = p.detach()
+        gate = (1.0 - pd).mul_(pd).mul_(4.0)
         dt = count.dtype
-        negf = valid_f - posf
         g = gate.reshape(-1).to(dt)
-        metrics["gate/mean"] = torch.dot(g, valid_f.reshape(-1).to(dt)) / count.clamp_min(1)
-        metrics["gate/pos_mean"] = torch.dot(g, posf.reshape(-1).to(dt)) / posf.sum().to(dt).clamp_min(1)
-        metrics["gate/neg_mean"] = torch.dot(g, negf.reshape(-1).to(dt)) / negf.sum().to(dt).clamp_min(1)
+        pf = posf.reshape(-1).to(dt)
+        n_pos = pf.sum()
+        g_all = torch.dot(g, valid_f.reshape(-1).to(dt))
+        g_pos = torch.dot(g, pf)
+        metrics["gate/mean"] = g_all / count.clamp_min(1)
+        metrics["gate/pos_mean"] = g_pos / n_pos.clamp_min(1)
+        metrics["gate/neg_mean"] = (g_all - g_pos) / (count - n_pos).clamp_min(1)
     return LossResult(loss, metrics)
 
 
