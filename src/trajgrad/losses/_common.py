@@ -116,8 +116,8 @@ def _as_mask(mask, shape, dtype) -> tuple:
         lo, hi = torch.aminmax(mf)
         rows = mf.reshape(shape[0], -1)
         # within [0, 1] and sum_j m_j^2 == sum_j m_j per row  <=>  every m_j(1 - m_j) = 0 (each term >= 0);
-        # no temporary: two reductions and one batched dot product. NaN fails the range test.
-        sq = torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).reshape(-1)
+        # no temporary: two reductions and one row-wise dot product. NaN fails the range test.
+        sq = torch.linalg.vecdot(rows, rows)
         if not (bool(lo >= 0) and bool(hi <= 1) and torch.equal(sq, rows.sum(-1))):
             _checks.check_mask("mask", mask)  # raises with the offending value
             raise ValueError("mask: must contain only 0 and 1 (a value within rounding of 0 or 1)")

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from ..diagnostics import _valid_extrema
 from ..types import LossResult
 from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 from .ppo import _clip_bounds, _clipped_surrogate
@@ -65,26 +66,28 @@ def _check_ratio(name: str, value: float) -> float:
     return v
 
 
-def _select(candidates: torch.Tensor, keys: torch.Tensor, mass: float, dtype) -> torch.Tensor:
-    r"""Selection weights ``[B, L]`` in [0, 1] of total ``mass`` (or every candidate if fewer).
+def _select(keys: torch.Tensor, mass: float, dtype) -> torch.Tensor:
+    r"""Selection weights ``[B, L]`` in [0, 1] of total ``mass`` among the entries with ``keys > 0``.
 
-    The ``floor(mass)`` candidates of largest key get 1, the next one ``mass - floor(mass)``:
+    ``keys`` is positive exactly at the candidates (0 or negative elsewhere). The
+    ``floor(mass)`` candidates of largest key get 1, the next one ``mass - floor(mass)``:
     the selected mass is exactly :math:`rN`, continuous in the ratio (a hard
-    :math:`\max(1,\lfloor rN\rfloor)` selects 1 token for every :math:`rN<2`).
+    :math:`\max(1,\lfloor rN\rfloor)` selects 1 token for every :math:`rN<2`). With fewer
+    candidates, every candidate is selected fully.
     """
-    flat_keys = keys.reshape(-1).to(torch.float64)
-    flat = torch.where(candidates.reshape(-1), flat_keys, torch.full_like(flat_keys, -math.inf))
+    flat = keys.reshape(-1)
     out = torch.zeros(flat.shape, dtype=dtype, device=keys.device)
-    n_cand = int(candidates.sum())
     k = int(math.floor(mass))
     frac = mass - k
-    take = min(k + (1 if frac > 0 else 0), n_cand)
+    take = min(k + (1 if frac > 0 else 0), flat.numel())
     if take > 0:
-        order = torch.topk(flat, take, sorted=True).indices
-        out[order] = 1.0
-        if take == k + 1:
-            out[order[-1]] = frac
-    return out.reshape(candidates.shape)
+        vals, idx = torch.topk(flat, take, sorted=True)
+        ok = vals > 0
+        n_ok = int(ok.sum())
+        out[idx[:n_ok]] = 1.0  # sorted: the candidates come first
+        if n_ok == take and take == k + 1:
+            out[idx[take - 1]] = frac
+    return out.reshape(keys.shape)
 
 
 def clip_cov_loss(
@@ -160,10 +163,12 @@ def clip_cov_loss(
     with torch.no_grad():
         z = log_ratio.detach()
         clipped = ((x.advantages > 0) & (z > hi_b)) | ((x.advantages < 0) & (z < lo_b))
-        candidates = x.mask & ~clipped & (cov > lo_c) & (cov < hi_c)
+        candidates = ~clipped & (cov > lo_c) & (cov < hi_c) & (x.maskf > 0)
         g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
-        keys = torch.rand(x.mask.shape, generator=g, dtype=torch.float64).to(cov.device)
-        sel_f = _select(candidates, keys, _count(x, r), surrogate.dtype)
+        # a uniform key in [1, 2) at each candidate, 0 elsewhere (a candidate's key is never 0)
+        keys = torch.rand(cov.shape, generator=g, dtype=cov.dtype).add_(1.0).to(cov.device)
+        keys = keys.mul_(candidates.to(keys.dtype))
+        sel_f = _select(keys, _count(x, r), surrogate.dtype)
     surrogate = surrogate * (1.0 - sel_f) + surrogate.detach() * sel_f
     loss = aggregate_tokens(weighted(-surrogate, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
@@ -179,11 +184,7 @@ def _cov_metrics(metrics, cov, x, selected, candidates=None) -> None:
         if candidates is not None:
             metrics["cov/candidates_frac"] = candidates.sum().to(dt) / n
         metrics["cov/mean"] = cov.sum().to(dt) / n
-        pen = (1.0 - x.maskf) * 1e30
-        metrics["cov/max"] = (
-            torch.where(x.tokens > 0, (cov - pen).amax(), torch.zeros(())).to(dt)
-            if cov.numel() else torch.zeros((), dtype=dt)
-        )
+        metrics["cov/max"] = _valid_extrema(cov, x.maskf, x.tokens)[1].to(dt)
 
 
 def kl_cov_loss(
@@ -246,7 +247,7 @@ def kl_cov_loss(
     log_ratio = x.log_ratio()
     cov = _covariance(x)
     with torch.no_grad():
-        sel_f = _select(x.mask & (cov > 0), cov, _count(x, r), log_ratio.dtype)
+        sel_f = _select(cov, _count(x, r), log_ratio.dtype)  # cov = 0 at masked slots: never selected
         zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
     ratio = torch.exp(torch.clamp(log_ratio, max=zmax))
     penalty = beta * log_ratio.abs() * sel_f
