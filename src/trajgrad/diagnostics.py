@@ -6,7 +6,8 @@ Every function here returns *detached* tensors and never a silent NaN.
 ``policy_metrics``          ratio / log-ratio statistics, clip fractions by advantage sign
                             and side, sampled KL estimates k1 and k3 (§8: "log ratio
                             distributions, clip fractions by advantage sign, and KL
-                            separately")
+                            separately"); the losses report the same keys, log-ratio
+                            quantiles only inside ``loss_quantiles()``
 ``explained_variance``      :math:`1-\mathrm{Var}(R-V)/\mathrm{Var}(R)` with the
                             ill-conditioned case guarded (§20.3)
 ``effective_sample_size``   :math:`(\sum w)^2/\sum w^2` of importance weights, computed in
@@ -16,8 +17,9 @@ Every function here returns *detached* tensors and never a silent NaN.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 
@@ -127,11 +129,29 @@ def policy_metrics(
         )
         z = _metric_dtype(z)
         mf = mask.to(z.dtype)
-        return _fast_policy_metrics(z, adv, mask, mf, mf.sum(), lo_b=lo_b, hi_b=hi_b)
+        return _fast_policy_metrics(z, adv, mask, mf, mf.sum(), lo_b=lo_b, hi_b=hi_b, quantiles=True)
 
 
 QUANTILE_POSITIONS = 4096
 _SAMPLE_CACHE: Dict[tuple, torch.Tensor] = {}
+_LOSS_QUANTILES = False
+
+
+@contextlib.contextmanager
+def loss_quantiles(enabled: bool = True) -> Iterator[None]:
+    """Context manager: the policy losses' metrics also report ``log_ratio/q01|q50|q99``.
+
+    Off by default: a loss's metrics are sums and extrema only (each costs one read of the
+    batch), while quantiles need a selection of the valid tokens. :func:`policy_metrics`
+    always reports them. Usage: ``with trajgrad.diagnostics.loss_quantiles(): loss = ...``.
+    """
+    global _LOSS_QUANTILES
+    previous = _LOSS_QUANTILES
+    _LOSS_QUANTILES = bool(enabled)
+    try:
+        yield
+    finally:
+        _LOSS_QUANTILES = previous
 
 
 def _sample_positions(numel: int, device) -> torch.Tensor:
@@ -193,6 +213,7 @@ def _fast_policy_metrics(
     lo_b: Optional[float] = None,
     hi_b: Optional[float] = None,
     prefix: str = "",
+    quantiles: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
     """:func:`policy_metrics` on sanitized inputs: ``z`` and ``adv`` exactly 0 at masked slots.
 
@@ -218,9 +239,10 @@ def _fast_policy_metrics(
         zmin, zmax = _valid_extrema(z, mf, n)
         out["ratio/min"] = torch.where(has, zmin.exp(), one)
         out["ratio/max"] = torch.where(has, zmax.exp(), one)
-        qs = _sampled_quantiles(z, mf)
-        for i, key in enumerate(QUANTILES):
-            out[f"log_ratio/{key}"] = zero.clone() if qs is None else qs[i]
+        if _LOSS_QUANTILES if quantiles is None else quantiles:
+            qs = _sampled_quantiles(z, mf)
+            for i, key in enumerate(QUANTILES):
+                out[f"log_ratio/{key}"] = zero.clone() if qs is None else qs[i]
         out["kl/k1"] = -sum_z / d
         out["kl/k3"] = (sum_em1 - sum_z).clamp_min(0.0) / d
         if lo_b is not None:
@@ -382,6 +404,7 @@ def zero_variance_fraction(rewards: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "policy_metrics",
+    "loss_quantiles",
     "explained_variance",
     "explained_variance_or_none",
     "effective_sample_size",
