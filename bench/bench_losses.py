@@ -5,8 +5,10 @@ Baseline: the spec's minimal code for the same estimator (e.g. §8's four-line P
 of selecting, and computes no metrics. The trajgrad column includes validation (shape, 0/1
 mask, finiteness at valid positions) and the detached metrics every loss returns; the
 third column runs trajgrad with value validation off (``trajgrad.validation(False)``).
-Both sides get the same inputs in one run, interleaved round by round (the machine is shared),
-and their values are checked to agree. One intra-op thread.
+Both sides get the same inputs in one run, interleaved round by round, and their values are
+checked to agree. One intra-op thread, timed by the thread's CPU clock (``time.thread_time``):
+on a shared machine wall-clock times include whole scheduler slices (~10 ms) spent in other
+processes, which CPU time does not.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_losses.py
 """
@@ -155,10 +157,10 @@ TOL = {"kl_cov": 1e-4, "dppo_kl": 1e-4}
 def _once(fn, inputs):
     logp, old, adv, mask = inputs
     x = logp.clone().requires_grad_(True)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     loss = fn(x, old, adv, mask)
     loss.backward()
-    return time.perf_counter() - t0, float(loss.detach())
+    return time.thread_time() - t0, float(loss.detach())
 
 
 def _time_interleaved(naive, ours, inputs, repeats):
@@ -178,13 +180,34 @@ def _time_interleaved(naive, ours, inputs, repeats):
     return [min(t) for t in times], [statistics.median(t) for t in times], vals
 
 
+def _reuse_freed_memory() -> bool:
+    """Make glibc keep freed blocks for reuse (no trimming, no mmap for blocks below 32 MB).
+
+    By default glibc serves each 1 MB temporary from fresh pages and returns them on free, so
+    every temporary costs ~256 page faults; which temporaries fault depends on the heap state
+    left by earlier calls, and timings of the same code vary several-fold. With reuse, both
+    sides are timed on their arithmetic, as under a caching allocator (PyTorch's on GPU).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20))
+    except OSError:
+        return False
+
+
 def main():
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser()
+    ap.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
+                    help="reuse: glibc keeps freed blocks (see _reuse_freed_memory); default: glibc as configured")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--only", default="", help="comma-separated subset of the losses")
     ap.add_argument("--out", default="bench/results/losses.md")
     a = ap.parse_args()
+    reuse = _reuse_freed_memory() if a.malloc == "reuse" else False
     inputs = _inputs()
     ntok = float(inputs[3].sum())
     rows = []
@@ -201,13 +224,17 @@ def main():
     md = [
         "## Policy losses: forward+backward cost per valid token (B=64, L=4,096, float32)",
         "",
-        f"Command: `{sys.executable} bench/bench_losses.py --repeats {a.repeats}`  ",
+        f"Command: `OMP_NUM_THREADS=1 PYTHONPATH=src {sys.executable} bench/bench_losses.py --repeats {a.repeats} "
+        f"--malloc {a.malloc}`  ",
+        f"Allocator: {'glibc keeps freed blocks for reuse (mallopt; both sides alike)' if reuse else 'glibc default'}.  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}, threads {torch.get_num_threads()}, "
         f"{int(ntok):,} valid tokens of {B * L:,} (ragged lengths); minimum of {a.repeats} interleaved rounds "
         "(the last column: ratio of the medians); "
         f"load average at the end {load:.1f} (shared machine).",
         "",
         "Baseline: the spec's minimal code for each estimator (no validation, mask by multiplication, no metrics).",
+        "Times are the CPU time of the (single) computing thread, forward + backward; trajgrad with validation and its "
+        "default metrics (ratio mean/min/max, KL k1/k3, clip or mask fractions; log-ratio quantiles are opt-in).",
         "",
         "| loss | spec code ns/token | trajgrad ns/token | ratio | trajgrad, value checks off | ratio | ratio of medians |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
