@@ -85,6 +85,8 @@ def test_nonfinite_at_a_valid_slot_raises_naming_the_argument(name, fn):
         fn(logp, old, adv, m)
     with pytest.raises(ValueError, match="denominator"):
         fn(logp, old, adv, mask, denominator=math.inf)
+    with pytest.raises(ValueError, match="constant"):
+        fn(logp, old, adv, mask, aggregation="seq_sum_constant", constant=math.inf)
 
 
 @pytest.mark.parametrize("name,fn", CASES, ids=[c[0] for c in CASES])
