@@ -90,9 +90,9 @@ def cispo_loss(
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["weight/clipped_high"] = torch.count_nonzero(z > hi_b).to(dt) / n
+        metrics["weight/clipped_high"] = (z - hi_b).sign_().relu_().sum().to(dt) / n  # count of z > hi_b
         zero = torch.zeros((), dtype=dt, device=z.device)
-        metrics["weight/clipped_low"] = torch.count_nonzero(z < lo_b).to(dt) / n if lo_b > -math.inf else zero
+        metrics["weight/clipped_low"] = (lo_b - z).sign_().relu_().sum().to(dt) / n if lo_b > -math.inf else zero
         metrics["weight/mean"] = r_sum.to(dt) / n
     return LossResult(loss, metrics)
 

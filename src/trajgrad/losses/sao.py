@@ -105,12 +105,14 @@ def sao_dis_loss(
     log_ratio = x.log_ratio()  # finite, 0 at masked positions
     z = log_ratio.detach()
     with torch.no_grad():
-        trusted = (z > lo_b) & (z < hi_b)  # true at masked positions (z = 0), where A = 0
-        trusted_f = trusted.to(z.dtype)
+        # 1 exactly where lo_b < z (resp. z < hi_b): relu(sign(x)) = 1[x > 0]; masked slots
+        # (z = 0) are trusted, and their A = 0
+        above_low = (z - lo_b).sign_().relu_()
+        trusted_f = (hi_b - z).sign_().relu_().mul_(above_low)
     # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
     # rejected token's weight is a finite value times 0.
     if ratio_gradient == "attached":
-        coef = torch.exp(torch.clamp(log_ratio, max=hi_b)) * (trusted_f.mul_(x.advantages))
+        coef = torch.exp(torch.clamp(log_ratio, max=hi_b)) * (trusted_f * x.advantages)
     else:
         with torch.no_grad():
             coef = torch.clamp(z, max=hi_b).exp_().mul_(trusted_f).mul_(x.advantages)
@@ -121,8 +123,8 @@ def sao_dis_loss(
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
         n_masked = x.maskf.numel() - metrics["tokens"]
-        accepted = torch.count_nonzero(trusted).to(dt) - n_masked
-        rej_low = torch.count_nonzero(z <= lo_b).to(dt)  # masked slots (z = 0) are never rejected
+        accepted = trusted_f.sum().to(dt) - n_masked
+        rej_low = metrics["tokens"] - (above_low.sum().to(dt) - n_masked)  # masked slots are never rejected
         metrics["trust/accepted"] = accepted / n
         metrics["trust/rejected_low"] = rej_low / n
         metrics["trust/rejected_high"] = (metrics["tokens"] - accepted - rej_low) / n
