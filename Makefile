@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install train test test-fast bench explain clean
+.PHONY: install train test test-fast bench explain peers clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,5 +29,24 @@ test-fast: $(STAMP)
 explain: $(STAMP)
 	$(BIN)/trajgrad explain --all
 
+# The pinned peers (TRL, verl) for `trajgrad verify --peer`, in a side environment layered on .venv:
+# verl 0.9.1 pins transformers<5.11, so its own requirements would replace trajgrad's; only the
+# packages its loss, advantage and KL functions import are installed, without their requirements.
+PEERS := .venv-peers
+PEER_PKGS := trl==1.16.0 verl==0.9.1 tensordict==0.15.3 pyvers==0.2.3 cloudpickle==3.1.3 omegaconf==2.4.0 \
+	codetiming==1.4.0 orjson==3.13.0 pandas==3.1.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+	pyarrow==26.0.1 xxhash==4.1.0
+$(PEERS)/.installed: $(STAMP) Makefile
+	$(PY) -m venv $(PEERS)
+	$(abspath $(VENV))/bin/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
+		> $$($(PEERS)/bin/python -c "import site; print(site.getsitepackages()[0])")/trajgrad-base.pth
+	$(PEERS)/bin/python -m pip install -q --no-deps $(PEER_PKGS)
+	touch $@
+
+peers: $(PEERS)/.installed
+	$(PEERS)/bin/python -m pytest -q tests/test_peers.py
+	$(PEERS)/bin/python -m trajgrad verify --peer trl --out conformance
+	$(PEERS)/bin/python -m trajgrad verify --peer verl --out conformance
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) .pytest_cache .hypothesis

@@ -33,7 +33,7 @@ def ragged_case(seed: int, B=5, L=7):
 
 
 def hand_formula(x, mask, mode, constant=None):
-    """The four modes written out with Python loops over sequences and tokens."""
+    """The five modes written out with Python loops over sequences and tokens."""
     B, L = mask.shape
     rows = [[x[i, j].item() for j in range(L) if mask[i, j]] for i in range(B)]
     nonempty = [r for r in rows if r]
@@ -47,6 +47,8 @@ def hand_formula(x, mask, mode, constant=None):
     if mode == "seq_sum_constant":
         c = L if constant is None else constant
         return sum(sum(r) for r in nonempty) / (c * max(len(nonempty), 1))
+    if mode == "token_sum":
+        return sum(sum(r) for r in rows)
     raise AssertionError(mode)
 
 
@@ -371,3 +373,65 @@ def test_normalizer_under_torch_distributed_gloo(tmp_path):
                 if p.is_alive():
                     p.terminate()
             pytest.fail("the 2-process gloo run did not finish in 90 s")
+
+
+# --------------------------------------------------------------------------- token_sum
+def test_token_sum_value_and_gradient_by_hand():
+    # valid entries 1.5, -2.0 (row 0) and 4.0 (row 1): Σ m x = 3.5, ∂/∂x = m
+    x = torch.tensor([[1.5, -2.0, NAN], [INF, 4.0, -INF]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
+    out = aggregate(x, mask, "token_sum")
+    assert out.item() == 3.5
+    out.backward()
+    assert torch.equal(x.grad, mask.to(F64))
+
+
+def test_token_sum_denominator_expresses_fixed_normalizers():
+    x, mask = ragged_case(11, B=6, L=5)
+    valid = torch.where(mask.bool(), x, torch.zeros_like(x))
+    # verl seq-mean-token-sum-norm: Σ m x / C, not divided by the number of responses
+    assert aggregate(x, mask, "token_sum", denominator=5.0).item() == pytest.approx(valid.sum().item() / 5.0, abs=1e-14)
+    # TRL dr_grpo: Σ m x / (B · max_completion_length), every row counted
+    d = 6 * 16
+    assert aggregate(x, mask, "token_sum", denominator=d).item() == pytest.approx(valid.sum().item() / d, abs=1e-14)
+    # and seq_sum_constant is token_sum divided by (C · non-empty rows)
+    n = local_count(mask, "seq_sum_constant").item()
+    assert aggregate(x, mask, "seq_sum_constant", constant=5.0).item() == pytest.approx(
+        aggregate(x, mask, "token_sum", denominator=5.0 * n).item(), abs=1e-14)
+
+
+def test_token_sum_normalizer_is_one():
+    masks = [torch.ones(2, 3), torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 1.0]])]
+    norm = Normalizer.from_masks(masks, "token_sum", grad_average_over_ranks=False)
+    assert norm.denominator().item() == 1.0
+    assert local_count(masks[0], "token_sum").item() == 1.0
+
+
+# ------------------------------------------------------------------ infinite normalizers
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_or_nan_denominator_raises(bad, mode):
+    x, mask = ragged_case(2)
+    with pytest.raises(ValueError, match="denominator"):
+        aggregate(x, mask, mode, denominator=bad, **kw_for(mode))
+
+
+@pytest.mark.parametrize("bad", [INF, NAN, 0.0, -1.0])
+def test_infinite_constant_raises(bad):
+    x, mask = ragged_case(2)
+    with pytest.raises(ValueError, match="constant"):
+        aggregate(x, mask, "seq_sum_constant", constant=bad)
+    with pytest.raises(ValueError, match="constant"):
+        Normalizer("seq_sum_constant", constant=bad)
+
+
+def test_ppo_clip_loss_rejects_infinite_denominator_and_constant():
+    from trajgrad.losses import ppo_clip_loss
+
+    logp = -torch.rand(2, 3, dtype=F64)
+    mask = torch.ones(2, 3)
+    adv = torch.ones(2, 3, dtype=F64)
+    with pytest.raises(ValueError, match="denominator"):
+        ppo_clip_loss(logp, logp, adv, mask, denominator=INF)
+    with pytest.raises(ValueError, match="constant"):
+        ppo_clip_loss(logp, logp, adv, mask, aggregation="seq_sum_constant", constant=INF)

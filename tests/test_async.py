@@ -485,3 +485,35 @@ def test_grouped_baseline_measures_group_wait(ray_session, tmp_path):
     assert row["group/wait_W"] == pytest.approx(summary["group_wait_W_total"])
     trajs = read_trajectories(tmp_path / "g" / "trajectories.jsonl")
     assert len({t.episode_id for t in trajs}) == 2 and len({t.task_id for t in trajs}) == 1
+
+
+def test_ray_learners_use_the_trainers_public_interface_and_no_recipe_names():
+    """The Ray learners reach the Trainer through its public interface only (no ``tr._x``,
+    ``self.trainer._x``), and nothing in train/ compares a recipe, loss or estimator name:
+    the trainers read the Objective's declared properties (kind, ratio_source, ...)."""
+    import ast
+    import inspect
+    import pkgutil
+
+    import trajgrad.train as train_pkg
+    from trajgrad.objective import RECIPES
+    from trajgrad.registry import ADVANTAGE_ESTIMATORS, POLICY_TERMS
+    from trajgrad.train import grouped, ray_learner, sao
+
+    for mod in (ray_learner, sao, grouped):
+        for n in ast.walk(ast.parse(inspect.getsource(mod))):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+                base = n.value
+                on_trainer = (isinstance(base, ast.Name) and base.id == "tr") or \
+                    (isinstance(base, ast.Attribute) and base.attr == "trainer")
+                assert not on_trainer, f"{mod.__name__}: line {n.lineno} touches Trainer.{n.attr}"
+    # "none" is also every switch's off value (kl_placement, ratio_source), not a name test
+    names = (set(RECIPES) | set(POLICY_TERMS) | set(ADVANTAGE_ESTIMATORS)) - {"none"}
+    for info in pkgutil.iter_modules(train_pkg.__path__):
+        if info.name in ("config", "run", "checkpoint"):  # presets and their names live in config
+            continue
+        mod = __import__(f"trajgrad.train.{info.name}", fromlist=["_"])
+        for n in ast.walk(ast.parse(inspect.getsource(mod))):
+            if isinstance(n, ast.Compare):
+                consts = [c.value for c in [n.left, *n.comparators] if isinstance(c, ast.Constant)]
+                assert not set(consts) & names, f"train/{info.name}.py:{n.lineno} compares a recipe name {consts}"

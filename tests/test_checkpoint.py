@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trajgrad.train import checkpoint as ckpt
+from trajgrad.train import checkpoint_files as ckpt_files
 from trajgrad.train.checkpoint import (
     CheckpointState,
     latest_checkpoint,
@@ -338,7 +339,7 @@ def test_crash_at_every_durable_operation_leaves_old_or_new(tmp_path, monkeypatc
         return wrapper
 
     for name in ("_replace", "_rmtree", "_fsync_dir", "_fsync_file", "_write_bytes", "_write_torch"):
-        monkeypatch.setattr(ckpt, name, crashing(getattr(ckpt, name)))
+        monkeypatch.setattr(ckpt_files, name, crashing(getattr(ckpt_files, name)))
 
     crashed_somewhere = 0
     for at in range(1, 200):
@@ -534,3 +535,67 @@ def test_mismatched_objects_raise_and_modify_nothing(tmp_path):
     bigger = torch.optim.AdamW(list(_mlp(1).parameters()) + [torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match="optimizers"):
         load_checkpoint(tmp_path, model=_mlp(1), optimizer=bigger)
+
+
+# ------------------------------------------------------------------------ integrity
+
+
+def _flip_byte(path, offset=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("target", ["modules/policy.safetensors", "optimizers/policy.pt", "rng.pt", "extra.json"])
+def test_same_size_corruption_is_refused_naming_the_file(tmp_path, target):
+    model = _mlp(0)
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 2)
+    path = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, extra={"step": 1})
+    size = (path / target).stat().st_size
+    _flip_byte(path / target, offset=size - 3 if target == "extra.json" else None)
+    assert (path / target).stat().st_size == size
+    fresh = _mlp(1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(ValueError, match="run_dir: corrupt checkpoint: .*" + target.split("/")[-1]):
+        load_checkpoint(tmp_path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))  # nothing loaded
+    with pytest.raises(ckpt.CorruptCheckpoint) as info:
+        ckpt.verify_checkpoint(path)
+    assert info.value.file == path / target
+    assert latest_checkpoint(tmp_path) == path  # sizes still match: found, but not intact
+
+
+def test_newest_intact_checkpoint_skips_corrupt_ones(tmp_path):
+    p1 = save_checkpoint(tmp_path, 1, model=_marked(1), keep=None)
+    p2 = save_checkpoint(tmp_path, 2, model=_marked(2), keep=None)
+    assert ckpt.newest_intact_checkpoint(tmp_path) == p2
+    _flip_byte(p2 / "modules" / "policy.safetensors")
+    assert ckpt.newest_intact_checkpoint(tmp_path) == p1
+    assert ckpt.newest_intact_checkpoint(tmp_path, exclude=[p1]) is None
+    m = _marked(0)
+    assert load_checkpoint(tmp_path, model=m, path=p1, restore_rng=False).step == 1
+    assert torch.all(m.weight == 1.0)
+
+
+def test_missing_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 1, model=_marked(1), keep=None)
+    p3 = save_checkpoint(tmp_path, 3, model=_marked(3), keep=None)
+    save_checkpoint(tmp_path, 2, model=_marked(2), keep=None)  # newest by save time
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000002"
+    (tmp_path / "checkpoints" / "step-000002" / "manifest.json").unlink()  # torn: skipped
+    assert latest_checkpoint(tmp_path) == p3
+    m = _marked(0)
+    assert load_checkpoint(tmp_path, model=m, restore_rng=False).step == 3 and torch.all(m.weight == 3.0)
+
+
+def test_format_1_manifest_without_checksums_still_loads(tmp_path):
+    path = save_checkpoint(tmp_path, 1, model=_marked(1))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format"] = 1
+    manifest["files"] = {rel: e["size"] for rel, e in manifest["files"].items()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    m = _marked(0)
+    assert load_checkpoint(tmp_path, model=m, restore_rng=False).step == 1 and torch.all(m.weight == 1.0)

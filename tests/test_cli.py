@@ -28,7 +28,7 @@ def test_verify_exit_codes():
     ok = runner.invoke(app, ["verify", f"{EXAMPLES}/my_ppo_clip.py:ppo_loss", "--as", "ppo"])
     assert ok.exit_code == 0, ok.output
     assert "overall: PASS" in ok.output
-    bad = runner.invoke(app, ["verify", f"{EXAMPLES}/wrong_gspo_token.py:gspo_token_loss", "--as", "gspo_token"])
+    bad = runner.invoke(app, ["verify", f"{EXAMPLES}/bugs/gspo_token_detach.py:gspo_token_loss", "--as", "gspo_token"])
     assert bad.exit_code == 1
     assert "gradient         FAIL" in bad.output and "value            PASS" in bad.output
     missing = runner.invoke(app, ["verify", "no_such_module_xyz:fn"])

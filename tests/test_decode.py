@@ -1,11 +1,11 @@
-"""The lean decode step (rollout/decode.py) computes what the Hugging Face forward computes."""
+"""The lean decode step (model/decode.py) computes what the Hugging Face forward computes."""
 import pytest
 import torch
 
-from trajgrad.rollout.collate import position_ids_from_attention_mask
-from trajgrad.rollout.decode import KVBuffers, decode_step, fast_backbone
-from trajgrad.rollout.models import build_tiny_model
-from trajgrad.rollout.sampler import sample_actions
+from trajgrad.model.decode import KVBuffers, decode_step, fast_backbone
+from trajgrad.model.positions import position_ids_from_attention_mask
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.rollout.generation import sample_actions
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,7 +73,7 @@ def test_decode_step_equals_the_full_forward(tok, name):
 def test_sample_actions_fast_equals_the_model_forward(tok, name, sampling, monkeypatch):
     """Same generator, same rows: the same tokens, log-probs within 1e-6, and the same
     per-row keys/values for the next turn; then a second turn from those keys/values."""
-    import trajgrad.rollout.sampler as sampler_mod
+    import trajgrad.rollout.generation as sampler_mod
 
     calls = []
 

@@ -197,6 +197,64 @@ def _step(model, policy: Policy, plain: Policy, mbs: list, name: str, mode: str,
     return policy.w.grad.detach().clone()
 
 
+# ------------------------------------------------------------------ DPO (§13) ---
+N_PAIRS = 5
+DPO_SPLITS = {"unequal": [(0, 1), (1, N_PAIRS)], "empty": [(0, 0), (0, N_PAIRS)]}  # rank 0: 1 pair / none
+
+
+def _dpo_pairs():
+    """Chosen/rejected sequences of the linear policy, with reference log-probs under w0 + noise."""
+    seqs = make_sequences()
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(N_PAIRS):
+        c, r = seqs[(2 * i) % N_SEQ], seqs[(2 * i + 1) % N_SEQ]
+        if i == 0:
+            c = seqs[5]  # every pair has action tokens on both sides
+        out.append((c, r, float(torch.randn((), generator=g, dtype=torch.float64)),
+                    float(torch.randn((), generator=g, dtype=torch.float64))))
+    return out
+
+
+def _dpo_seq_logp(policy: Policy, seqs: list) -> torch.Tensor:
+    from trajgrad.losses import sequence_logp
+
+    b = collate(seqs)
+    return sequence_logp(torch.where(b["mask"], policy(b["feats"], b["targets"]), 0.0), b["mask"])
+
+
+def _dpo_grad(pairs: list, num_pairs: int, scheme: str) -> torch.Tensor:
+    """This rank's DPO gradient after the sum over ranks. ``scheme="global"``: the trainer's
+    share (local sum / global pair count, :func:`trajgrad.train.updates.dpo_pair_loss`);
+    ``"per_rank_mean"``: the previous per-rank mean divided by the world size."""
+    from trajgrad.objective import RECIPES
+    from trajgrad.train.updates import dpo_pair_loss
+
+    obj = RECIPES["dpo"]
+    policy = Policy()
+    if pairs:
+        pc = _dpo_seq_logp(policy, [p[0] for p in pairs])
+        pr = _dpo_seq_logp(policy, [p[1] for p in pairs])
+        with torch.no_grad():
+            ref = Policy()
+            rc = _dpo_seq_logp(ref, [p[0] for p in pairs]) + torch.tensor([p[2] for p in pairs], dtype=torch.float64)
+            rr = _dpo_seq_logp(ref, [p[1] for p in pairs]) + torch.tensor([p[3] for p in pairs], dtype=torch.float64)
+        res, share = dpo_pair_loss(obj, pc, pr, rc, rr, num_pairs)
+        (share if scheme == "global" else res.loss / WORLD).backward()
+    D.sync_gradients_sum(policy.parameters())
+    return policy.w.grad.detach().clone()
+
+
+def _dpo_checks(rank: int) -> dict:
+    pairs = _dpo_pairs()
+    out = {}
+    for split, slices in DPO_SPLITS.items():
+        mine = pairs[slice(*slices[rank])]
+        for scheme in ("global", "per_rank_mean"):
+            out[(split, scheme)] = _dpo_grad(mine, N_PAIRS, scheme).tolist()
+    return out
+
+
 def _metric_checks(rank: int) -> dict:
     out = {}
     out["weighted"] = D.all_reduce_metrics(
@@ -248,6 +306,15 @@ def _worker(rank: int, port: int, q) -> None:
                         # plain floats: tensors in a Queue would travel as shared memory
                         # that vanishes when this process exits
                         res["grads"][(name, mode, k, scheme)] = g.tolist()
+        res["dpo"] = _dpo_checks(rank)
+        res["rank_helpers"] = {
+            "gather": D.gather_objects({"rank": rank}),
+            "sum": D.sum_over_ranks(rank + 0.5),
+            "min": D.min_over_ranks(rank + 3),
+            # rank 0 logs "c", rank 1 logs "b"; weights 1 and 2
+            "mean": D.mean_metrics_over_ranks({"a": 1.0 + rank, ("b" if rank else "c"): 2.0 + rank}, weight=1 + rank),
+            "zero_weight": D.mean_metrics_over_ranks({"x": 5.0 if rank == 0 else float("nan")}, weight=1 - rank),
+        }
         D.barrier()
         res["seconds"] = time.perf_counter() - t0
         q.put(("ok", rank, res))
@@ -310,6 +377,7 @@ def _run_job(timeout_s: float = 150.0) -> dict:
     for r in range(WORLD):
         results[r]["still_initialized_after_cleanup"] = cleaned[r]
         results[r]["grads"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in results[r]["grads"].items()}
+        results[r]["dpo"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in results[r]["dpo"].items()}
     return results
 
 
@@ -369,6 +437,58 @@ def test_negative_control_local_normalization_differs(job, name, mode, k):
     g1 = job[1]["grads"][(name, mode, k, "naive")]
     torch.testing.assert_close(g0, g1, rtol=0, atol=1e-12)  # DDP did synchronize them
     assert (g0 - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("split", sorted(DPO_SPLITS))
+def test_dpo_with_unequal_shards_equals_the_single_process_gradient(job, split):
+    """DPO's denominator is the step's pair count over every rank (§13): with 1 + 4 pairs,
+    and with a rank holding none (it trains no duplicated pair), the summed gradient is the
+    single-process gradient of the mean over all pairs; the previous per-rank mean / world
+    size is not."""
+    assert [len(range(*sl)) for sl in DPO_SPLITS[split]] in ([1, 4], [0, 5])
+    ref = _dpo_grad(_dpo_pairs(), N_PAIRS, "global")  # one process, all pairs: the plain mean
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
+    for rank in range(WORLD):
+        torch.testing.assert_close(job[rank]["dpo"][(split, "global")], ref, rtol=0, atol=1e-6)
+        assert (job[rank]["dpo"][(split, "per_rank_mean")] - ref).abs().max().item() > 1e-3
+
+
+def test_dpo_pair_loss_is_the_mean_over_pairs_in_one_process():
+    from trajgrad.losses import dpo_loss
+    from trajgrad.objective import RECIPES
+    from trajgrad.train.updates import dpo_pair_loss
+
+    g = torch.Generator().manual_seed(3)
+    pc, pr, rc, rr = (torch.randn(4, generator=g, dtype=torch.float64) for _ in range(4))
+    obj = RECIPES["dpo"]
+    res, share = dpo_pair_loss(obj, pc, pr, rc, rr, 4)
+    torch.testing.assert_close(share, dpo_loss(pc, pr, rc, rr, beta=obj.beta).loss, rtol=0, atol=0)
+    _, part = dpo_pair_loss(obj, pc[:1], pr[:1], rc[:1], rr[:1], 4)
+    torch.testing.assert_close(part, dpo_loss(pc[:1], pr[:1], rc[:1], rr[:1], beta=obj.beta).loss / 4, rtol=0, atol=1e-15)
+    for bad in (3, 0, 4.0, True):
+        with pytest.raises(ValueError, match="^num_pairs"):
+            dpo_pair_loss(obj, pc, pr, rc, rr, bad)
+
+
+def test_rank_helpers_across_ranks(job):
+    for rank in range(WORLD):
+        h = job[rank]["rank_helpers"]
+        assert h["gather"] == [{"rank": 0}, {"rank": 1}]
+        assert h["sum"] == 2.0 and h["min"] == 3
+        # a: (1*1 + 2*2) / 3; b only on rank 1, c only on rank 0
+        assert h["mean"] == pytest.approx({"a": 5.0 / 3.0, "b": 3.0, "c": 2.0}, abs=1e-12)
+        assert h["zero_weight"] == {"x": 5.0}
+
+
+def test_rank_helpers_single_process():
+    assert D.gather_objects(3) == [3]
+    assert D.sum_over_ranks(torch.tensor(2.5)) == 2.5 and D.min_over_ranks(4) == 4
+    assert D.mean_metrics_over_ranks({"a": 1.0}, weight=0) == {"a": 1.0}
+    for call, arg in ((lambda: D.min_over_ranks(1.5), "value"), (lambda: D.sum_over_ranks("x"), "value"),
+                      (lambda: D.mean_metrics_over_ranks({}, weight=-1.0), "weight"),
+                      (lambda: D.mean_metrics_over_ranks({}, weight=float("nan")), "weight")):
+        with pytest.raises(ValueError, match=f"^{arg}"):
+            call()
 
 
 def test_process_info_and_lifecycle(job):

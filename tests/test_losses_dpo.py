@@ -152,3 +152,119 @@ def test_bad_inputs(kwargs, name):
     pos = [args.pop(k) for k in ("chosen_logp", "rejected_logp", "ref_chosen_logp", "ref_rejected_logp")]
     with pytest.raises(ValueError, match=name):
         dpo_loss(*pos, **args)
+
+
+# ----------------------------------------------------------------- loss_type variants (TRL forms)
+def _case(seed=0, B=5):
+    g = torch.Generator().manual_seed(seed)
+    c = -torch.rand(B, generator=g, dtype=D64) * 20
+    r = -torch.rand(B, generator=g, dtype=D64) * 20
+    rc = c + torch.randn(B, generator=g, dtype=D64)
+    rr = r + torch.randn(B, generator=g, dtype=D64)
+    lc = torch.randint(1, 30, (B,), generator=g).to(D64)
+    lr = torch.randint(1, 30, (B,), generator=g).to(D64)
+    return c, r, rc, rr, lc, lr
+
+
+def _trl(loss_type, c, r, rc, rr, lc, lr, beta, ls=0.0, gamma=0.5):
+    """TRL 1.16 DPOTrainer (and CPO's simpo) per-pair losses, written out."""
+    F = torch.nn.functional
+    cr, rr_ = c - rc, r - rr
+    d = cr - rr_
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * d)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * d)
+    if loss_type == "ipo":
+        return (cr / lc - rr_ / lr - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        clean = -(1 - ls) * F.logsigmoid(beta * d)
+        flipped = -ls * F.logsigmoid(-beta * d)
+        return (clean - flipped) / (1 - 2 * ls)
+    if loss_type == "simpo":
+        logits = (c / lc - r / lr) - gamma / beta
+        return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+    raise AssertionError(loss_type)
+
+
+@pytest.mark.parametrize("loss_type,ls", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("robust", 0.0),
+                                          ("robust", 0.2), ("simpo", 0.0), ("simpo", 0.1)])
+@pytest.mark.parametrize("beta", [0.1, 2.0])
+def test_loss_types_match_trl_value_and_gradient(loss_type, ls, beta):
+    c0, r0, rc, rr, lc, lr = _case()
+    c, r = c0.clone().requires_grad_(True), r0.clone().requires_grad_(True)
+    kw = dict(beta=beta, label_smoothing=ls, loss_type=loss_type, chosen_length=lc, rejected_length=lr)
+    if loss_type == "simpo":
+        res = dpo_loss(c, r, None, None, **kw)
+    else:
+        res = dpo_loss(c, r, rc, rr, **kw)
+    res.loss.backward()
+    c2, r2 = c0.clone().requires_grad_(True), r0.clone().requires_grad_(True)
+    ref = _trl(loss_type, c2, r2, rc, rr, lc, lr, beta, ls).mean()
+    ref.backward()
+    assert res.loss.item() == pytest.approx(ref.item(), abs=1e-12)
+    assert torch.allclose(c.grad, c2.grad, atol=1e-13) and torch.allclose(r.grad, r2.grad, atol=1e-13)
+
+
+def test_analytic_gradients_of_hinge_ipo_robust():
+    c0, r0, rc, rr, lc, lr = _case(1, B=6)
+    beta, B = 0.3, 6
+    z = beta * ((c0 - rc) - (r0 - rr))
+    # hinge: d/d chosen = -beta * 1[z < 1] / B
+    _, gc, gr = run(c0, r0, rc, rr, beta=beta, loss_type="hinge")
+    assert torch.allclose(gc, -beta * (z < 1).to(D64) / B, atol=1e-15)
+    assert torch.allclose(gr, -gc, atol=1e-15)
+    # ipo (paper form, no lengths): 2 (h - 1/(2 beta)) / B
+    h = (c0 - rc) - (r0 - rr)
+    _, gc, gr = run(c0, r0, rc, rr, beta=beta, loss_type="ipo")
+    assert torch.allclose(gc, 2 * (h - 1 / (2 * beta)) / B, atol=1e-13)
+    assert torch.allclose(gr, -gc, atol=1e-13)
+    # robust: -beta/(1-2e) [(1-e) σ(-z) + e σ(z)] / B
+    e = 0.25
+    _, gc, _ = run(c0, r0, rc, rr, beta=beta, loss_type="robust", label_smoothing=e)
+    expected = -beta / (1 - 2 * e) * ((1 - e) * torch.sigmoid(-z) + e * torch.sigmoid(z)) / B
+    assert torch.allclose(gc, expected, atol=1e-14)
+
+
+def test_ipo_minimum_is_at_half_over_beta_and_hinge_saturates():
+    beta = 0.5
+    # h = 1/(2β) = 1: zero loss and zero gradient
+    res, gc, _ = run([-5.0], [-7.0], [-6.0], [-7.0], beta=beta, loss_type="ipo")
+    assert res.loss.item() == pytest.approx(0.0, abs=1e-15) and gc.item() == pytest.approx(0.0, abs=1e-15)
+    # z = β h = 3 > 1: hinge loss 0, gradient 0
+    res, gc, gr = run([-1.0], [-7.0], [-1.0], [-1.0], beta=beta, loss_type="hinge")
+    assert res.loss.item() == 0.0 and gc.item() == 0.0 and gr.item() == 0.0
+
+
+def test_simpo_ignores_the_reference_and_sigmoid_default_unchanged():
+    c0, r0, rc, rr, lc, lr = _case(2)
+    a = dpo_loss(c0, r0, None, None, loss_type="simpo", chosen_length=lc, rejected_length=lr).loss
+    b = dpo_loss(c0, r0, rc + 3.0, rr - 1.0, loss_type="simpo", chosen_length=lc, rejected_length=lr).loss
+    assert a.item() == b.item()
+    assert dpo_loss(c0, r0, rc, rr).loss.item() == dpo_loss(c0, r0, rc, rr, loss_type="sigmoid").loss.item()
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(loss_type="kto"), "loss_type"),
+        (dict(loss_type="hinge", label_smoothing=0.1), "label_smoothing"),
+        (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing"),
+        (dict(loss_type="simpo"), "chosen_length"),
+        (dict(loss_type="ipo", chosen_length=t([3.0])), "rejected_length"),
+        (dict(loss_type="ipo", chosen_length=t([0.0]), rejected_length=t([2.0])), "chosen_length"),
+        (dict(loss_type="ipo", chosen_length=t([1.0, 2.0]), rejected_length=t([2.0])), "chosen_length"),
+        (dict(loss_type="robust", label_smoothing=0.5), "label_smoothing"),
+        (dict(loss_type="simpo", chosen_length=t([1.0]), rejected_length=t([1.0]), simpo_gamma=math.inf),
+         "simpo_gamma"),
+        (dict(denominator=math.inf), "denominator"),
+    ],
+)
+def test_loss_type_bad_inputs(kw, name):
+    with pytest.raises(ValueError, match=name):
+        dpo_loss(t([-1.0]), t([-2.0]), t([-1.5]), t([-1.5]), **kw)
+
+
+def test_reference_required_except_for_simpo():
+    with pytest.raises(ValueError, match="ref_chosen_logp"):
+        dpo_loss(t([-1.0]), t([-2.0]), None, t([-1.5]), loss_type="ipo")

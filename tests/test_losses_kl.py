@@ -215,3 +215,160 @@ def test_expected_gradients_documented_in_module():
 def test_bad_inputs(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+# ------------------------------------------------------------ peer conventions (issue: verl, TRL)
+def _verl_low_var_kl(logp, ref):
+    """verl 0.9.1 ``low_var_kl`` written out: z clamped to [-20, 20], then k3 clamped to [-10, 10]."""
+    kl = torch.clamp(ref - logp, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def _zs():
+    # z = logp - ref from -25 to 25: in range, k3 > 10 on the left (z < about -2.6), and |z| > 20
+    return t([[-25.0, -12.0, -3.0, -2.0, -0.4, 0.0, 0.3, 2.0, 8.0, 15.0, 25.0]])
+
+
+def test_k3_clamp_matches_verl_value_and_gradient():
+    z = _zs()
+    ref = torch.full_like(z, -1.0)
+    a = (ref + z).requires_grad_(True)
+    b = (ref + z).requires_grad_(True)
+    ours = kl_estimate(a, ref, kind="k3", clamp=10.0)
+    theirs = _verl_low_var_kl(b, ref)
+    assert torch.allclose(ours, theirs, atol=1e-12, rtol=0)
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-12, rtol=0)
+    # analytic: 1 - e^{-z} inside, 0 where clipped (k3 > 10)
+    k3 = torch.expm1(-z) + z
+    expected = torch.where(k3 > 10, torch.zeros_like(z), 1 - torch.exp(-z))
+    assert torch.allclose(a.grad, expected, atol=1e-12, rtol=0)
+    assert ours.max().item() == 10.0
+
+
+def test_straight_through_kinds_value_and_gradient():
+    z = t([[0.7, -1.3, 0.0, 2.5]])
+    ref = t([[-1.0, -2.0, -0.5, -3.0]])
+    for kind, value in (("k3+", torch.expm1(-z) + z), ("k1+", z)):
+        lp = (ref + z).requires_grad_(True)
+        out = kl_estimate(lp, ref, kind=kind)
+        assert torch.allclose(out.detach(), value, atol=1e-14), kind
+        # the value is bit for bit that of the plain kind
+        assert torch.equal(out.detach(), kl_estimate(ref + z, ref, kind=kind[:2])), kind
+        out.sum().backward()
+        assert torch.allclose(lp.grad, z, atol=1e-14), kind  # gradient of k2 = z
+    # verl's form written out: k2 - sg(k2) + sg(k3)
+    lp = (ref + z).requires_grad_(True)
+    hand = 0.5 * (lp - ref) ** 2
+    hand = hand - hand.detach() + (torch.exp(ref - lp) - (ref - lp) - 1).detach()
+    (g_hand,) = torch.autograd.grad(hand.sum(), lp)
+    lp2 = (ref + z).requires_grad_(True)
+    (g_ours,) = torch.autograd.grad(kl_estimate(lp2, ref, kind="k3+").sum(), lp2)
+    assert torch.allclose(g_hand, g_ours, atol=1e-14)
+
+
+def test_k3_plus_with_clamp_clips_the_value_not_the_gradient():
+    z = _zs()
+    ref = torch.full_like(z, -1.0)
+    lp = (ref + z).requires_grad_(True)
+    out = kl_estimate(lp, ref, kind="k3+", clamp=10.0)
+    assert torch.allclose(out.detach(), _verl_low_var_kl(ref + z, ref), atol=1e-12, rtol=0)
+    out.sum().backward()
+    assert torch.allclose(lp.grad, z, atol=1e-12)
+
+
+def test_bias_correction_matches_trl_form_value_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    logp0 = -torch.rand(3, 5, generator=g, dtype=D64) * 3
+    ref = logp0 + 0.5 * torch.randn(3, 5, generator=g, dtype=D64)
+    old = logp0 + 0.3 * torch.randn(3, 5, generator=g, dtype=D64)
+    a = logp0.clone().requires_grad_(True)
+    b = logp0.clone().requires_grad_(True)
+    ours = kl_estimate(a, ref, kind="k3", old_logp=old)
+    # TRL 1.16 GRPOTrainer: (exp(ref - logp) - (ref - logp) - 1) * exp(logp - old), ratio attached
+    theirs = (torch.exp(ref - b) - (ref - b) - 1) * torch.exp(b - old)
+    assert torch.allclose(ours, theirs, atol=1e-13, rtol=0)
+    ours.sum().backward()
+    theirs.sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-13, rtol=0)
+    # analytic: rho * (k3 + 1 - e^{-z})
+    z, rho = logp0 - ref, torch.exp(logp0 - old)
+    assert torch.allclose(a.grad, rho * (torch.expm1(-z) + z + 1 - torch.exp(-z)), atol=1e-13)
+    # on-policy the value is k3 but the gradient is not k3's
+    lp = logp0.clone().requires_grad_(True)
+    on = kl_estimate(lp, ref, kind="k3", old_logp=logp0)
+    assert torch.allclose(on.detach(), torch.expm1(-z) + z, atol=1e-14)
+    on.sum().backward()
+    assert not torch.allclose(lp.grad, 1 - torch.exp(-z))
+
+
+def test_bias_correction_is_the_exact_reverse_kl_gradient_in_expectation():
+    """Σ_y π_old(y) ∇[ρ(y) k3(y)] = ∇ KL(π_θ‖π_ref) over a whole vocabulary (exact, no sampling)."""
+    g = torch.Generator().manual_seed(1)
+    V = 7
+    theta = torch.randn(1, V, generator=g, dtype=D64).requires_grad_(True)
+    ref_logits = torch.randn(1, V, generator=g, dtype=D64)
+    old_logits = theta.detach() + 0.4 * torch.randn(1, V, generator=g, dtype=D64)
+    logp = torch.log_softmax(theta, -1)  # [1, V]: every token of the vocabulary
+    ref = torch.log_softmax(ref_logits, -1)
+    old = torch.log_softmax(old_logits, -1)
+    w = old.exp()
+    corrected = (w * kl_estimate(logp, ref, kind="k3", old_logp=old)).sum()
+    (g_corr,) = torch.autograd.grad(corrected, theta)
+    exact = exact_kl(theta[:, None, :], ref_logits[:, None, :]).sum()
+    (g_exact,) = torch.autograd.grad(exact, theta)
+    assert torch.allclose(g_corr, g_exact, atol=1e-12)
+    # without the correction, tokens drawn from π_old give a different (biased) gradient
+    plain = (w * kl_estimate(torch.log_softmax(theta, -1), ref, kind="k3")).sum()
+    (g_plain,) = torch.autograd.grad(plain, theta)
+    assert (g_plain - g_exact).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("kw", [dict(kind="k3", clamp=10.0), dict(kind="k3+"), dict(kind="k1+"),
+                                dict(kind="k3", old_logp="old"), dict(kind="k3+", clamp=1.0, old_logp="old")])
+def test_new_options_ignore_masked_positions(kw):
+    logp = t([[-1.0, math.nan], [math.inf, -0.3]])
+    ref = t([[-2.0, -math.inf], [math.nan, -0.1]])
+    old = t([[-1.2, math.inf], [-math.inf, -0.2]])
+    mask = torch.tensor([[1, 0], [0, 1]])
+    kw = dict(kw)
+    if kw.get("old_logp") == "old":
+        kw["old_logp"] = old
+    lp = logp.clone().requires_grad_(True)
+    out = kl_estimate(lp, ref, mask, **kw)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(lp.grad).all()
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[1, 0].item() == 0.0
+    clean_kw = dict(kw)
+    if "old_logp" in clean_kw:
+        clean_kw["old_logp"] = t([[-1.2, 0.0], [0.0, -0.2]])
+    lc = t([[-1.0, -5.0], [-5.0, -0.3]]).requires_grad_(True)
+    clean = kl_estimate(lc, t([[-2.0, -5.0], [-5.0, -0.1]]), mask, **clean_kw)
+    clean.sum().backward()
+    assert torch.equal(out.detach(), clean.detach())
+    assert torch.equal(lp.grad, lc.grad)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(kind="k4"), "kind"),
+        (dict(kind="k3", clamp=0.0), "clamp"),
+        (dict(kind="k3", clamp=-1.0), "clamp"),
+        (dict(kind="k3", clamp=math.inf), "clamp"),
+        (dict(kind="k3", clamp=math.nan), "clamp"),
+        (dict(kind="k3", old_logp=t([[-1.0]])), "old_logp"),
+        (dict(kind="k3", old_logp=t([[-1.0, math.nan]])), "old_logp"),
+    ],
+)
+def test_new_options_bad_input(kw, name):
+    with pytest.raises(ValueError, match=name):
+        kl_estimate(t([[-1.0, -2.0]]), t([[-1.5, -1.0]]), **kw)
+
+
+def test_old_logp_is_detached():
+    old = t([[-1.0]]).requires_grad_(True)
+    lp = t([[-0.5]]).requires_grad_(True)
+    kl_estimate(lp, t([[-0.7]]), kind="k3", old_logp=old).sum().backward()
+    assert old.grad is None and lp.grad is not None

@@ -181,6 +181,8 @@ def test_gradient_formula_random(seed, b, l, mode):
         w = 1.0 / (n_seq * lengths.clamp_min(1)).expand(b, l)
     elif mode == "seq_mean_token_sum":
         w = torch.full_like(logp, 1.0 / n_seq)
+    elif mode == "token_sum":
+        w = torch.ones_like(logp)
     else:
         w = torch.full_like(logp, 1.0 / (l * n_seq))
     expected = torch.where(mask, -adv * w, torch.zeros_like(adv))

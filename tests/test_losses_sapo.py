@@ -69,6 +69,7 @@ def test_per_token_gradient_formula(seed, mode, tau_pos, tau_neg):
         "seq_mean_token_mean": (n_seq * lengths).expand_as(r),
         "seq_mean_token_sum": torch.full_like(r, float(n_seq)),
         "seq_sum_constant": torch.full_like(r, float(n_seq * r.shape[1])),
+        "token_sum": torch.ones_like(r),
     }[mode]
     expected = torch.where(mask, -(1 / agg) * 4 * p * (1 - p) * r * adv, torch.zeros_like(r))
     assert torch.allclose(grad, expected, atol=1e-13)

@@ -131,7 +131,8 @@ def test_gradcheck():
         (dict(clip_range=-1.0, old_values=t([[0.0, 0.0]])), "clip_range"),
         (dict(clip_range=0.2, old_values=t([[0.0]])), "old_values"),
         (dict(clip_range=0.2, old_values=t([[0.0, math.nan]])), "old_values"),
-        (dict(aggregation="token_sum"), "aggregation"),
+        (dict(aggregation="token_total"), "aggregation"),
+        (dict(denominator=math.inf), "denominator"),
         (dict(denominator=0.0), "denominator"),
     ],
 )
@@ -141,3 +142,48 @@ def test_bad_inputs(kwargs, name):
     pos = [args.pop(k) for k in ("values", "returns", "mask")]
     with pytest.raises(ValueError, match=name):
         value_loss(*pos, **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_frac_is_exactly_zero_inside_the_clip_range(dtype):
+    """Random inputs with |V - V_old| < c: nothing is clipped, so the fraction is exactly 0.
+
+    V and V_old are drawn independently in (-0.09, 0.09) with c = 0.2 (every token inside
+    the range) and the returns lie within rounding of V. The former construction
+    V_old + clamp(V - V_old, -c, c) differs from V in the last bit on about a third of these
+    tokens, and the clipped error then looked "strictly larger" on many of them.
+    """
+    g = torch.Generator().manual_seed(0)
+    c = 0.2
+    shape = (64, 128)
+    old = ((torch.rand(shape, generator=g, dtype=D64) * 2 - 1) * 0.09).to(dtype)
+    v0 = ((torch.rand(shape, generator=g, dtype=D64) * 2 - 1) * 0.09).to(dtype)
+    returns = (v0.double() + 1e-9 * torch.randn(shape, generator=g, dtype=D64)).to(dtype)
+    mask = torch.ones(shape)
+    assert bool(((v0 - old).abs() < c).all())
+    values = v0.clone().requires_grad_(True)
+    res = value_loss(values, returns, mask, old_values=old, clip_range=c)
+    assert res.metrics["value/clip_frac"].item() == 0.0
+    # the old form counts a large share of these in-range tokens as clipped (fails this test)
+    v_old_form = old + torch.clamp(v0 - old, -c, c)
+    old_frac = ((v_old_form - returns).square() > (v0 - returns).square()).double().mean().item()
+    assert old_frac > 0.05
+    # loss and gradient are those of plain regression, bit for bit
+    plain = value_loss(values, returns, mask)
+    assert res.loss.item() == plain.loss.item()
+    (ga,) = torch.autograd.grad(res.loss, values)
+    (gb,) = torch.autograd.grad(plain.loss, values)
+    assert torch.equal(ga, gb)
+
+
+def test_clipped_value_is_the_bound_outside_the_range():
+    # V - V_old = +0.5 and -0.5 with c = 0.2: V_clip = V_old ± 0.2; R chosen so the clipped error wins
+    v = t([[1.5, -0.5]]).requires_grad_(True)
+    old = t([[1.0, 0.0]])
+    r = t([[2.0, -1.0]])
+    res = value_loss(v, r, torch.ones(1, 2), old_values=old, clip_range=0.2)
+    # clipped errors: (1.2 - 2)^2 = 0.64 > 0.25 and (-0.2 + 1)^2 = 0.64 > 0.25
+    assert res.loss.item() == pytest.approx(0.5 * 0.64, abs=1e-14)
+    res.loss.backward()
+    assert torch.equal(v.grad, torch.zeros_like(v.grad))
+    assert res.metrics["value/clip_frac"].item() == 1.0

@@ -10,9 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from trajgrad.rollout import models
+from trajgrad.model import dtype as dtypes
+from trajgrad.model import smollm2 as models
 from trajgrad.rollout.chat import observation_ids, prompt_ids
-from trajgrad.rollout.models import CHATML_TEMPLATE, CharTokenizer, build_char_tokenizer, build_tiny_model
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.model.tokenizer import CHATML_TEMPLATE, CharTokenizer, build_char_tokenizer
 
 VOCAB_CHARS = "".join(chr(c) for c in range(32, 127)) + "\n\t"
 
@@ -134,8 +136,8 @@ def test_load_smollm2_missing_package_names_install_command(monkeypatch):
 
 
 def test_preferred_dtype():
-    assert models.preferred_dtype("cpu") in (torch.bfloat16, torch.float32)
-    assert models.preferred_dtype() in (torch.bfloat16, torch.float32)
+    assert dtypes.preferred_dtype("cpu") in (torch.bfloat16, torch.float32)
+    assert dtypes.preferred_dtype() in (torch.bfloat16, torch.float32)
 
 
 def test_cache_stamp_validation(tmp_path):

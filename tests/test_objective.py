@@ -23,7 +23,7 @@ def _batch(seed=0, B=4, L=6):
 
 
 def test_twelve_recipes_and_explain_each():
-    assert set(RECIPES) == {"reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "sapo", "ppo",
+    assert set(RECIPES) >= {"reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "sapo", "ppo",
                             "sao", "opd", "dpo"}
     for name in RECIPES:
         text = explain(name)

@@ -8,9 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model, cache_kwarg, output_cache
-from trajgrad.rollout.collate import prefix_groups
-from trajgrad.train.policy import causal_parts, head_inputs, learner_logprobs, position_ids_from_mask
+from trajgrad.model.kv import cache_kwarg, output_cache
+from trajgrad.model.learner import causal_parts, head_inputs, learner_logprobs
+from trajgrad.model.positions import position_ids_from_attention_mask, prefix_groups
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.model.tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn, grou
     kw = cache_kwarg(backbone)
 
     def detached_prefix():
-        pos = position_ids_from_mask(am)
+        pos = position_ids_from_attention_mask(am)
         g = prefix_groups(ids, am)
         P, idx = g.length, g.index
         with torch.no_grad():

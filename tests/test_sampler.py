@@ -18,8 +18,8 @@ from trajgrad.rollout.chat import (
     observation_text,
     prompt_ids,
 )
-from trajgrad.rollout.models import build_tiny_model
-from trajgrad.rollout.sampler import sample_actions
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.rollout.generation import sample_actions
 
 SYSTEM = {"role": "system", "content": "You are a test."}
 
@@ -561,12 +561,13 @@ def test_sample_actions_past_kv_validation(tok, model):
 def test_last_allowed_turn_keeps_no_keys_values_and_prompts_are_encoded_once(tok, model, monkeypatch):
     """An episode on its last allowed turn ends after it, so its keys/values are not read
     back; a group's members share one prompt encoding. Neither changes what is sampled."""
-    import trajgrad.rollout.sampler as sampler_mod
+    import trajgrad.rollout.episodes as episodes_mod
+    import trajgrad.rollout.generation as generation_mod
 
     extracted, encoded = [], []
-    real_extract, real_prompt = sampler_mod._extract_rows, sampler_mod.prompt_ids
-    monkeypatch.setattr(sampler_mod, "_extract_rows", lambda *a: extracted.append(len(a[1])) or real_extract(*a))
-    monkeypatch.setattr(sampler_mod, "prompt_ids", lambda *a: encoded.append(1) or real_prompt(*a))
+    real_extract, real_prompt = generation_mod.extract_rows, episodes_mod.prompt_ids
+    monkeypatch.setattr(generation_mod, "extract_rows", lambda *a: extracted.append(len(a[1])) or real_extract(*a))
+    monkeypatch.setattr(episodes_mod, "prompt_ids", lambda *a: encoded.append(1) or real_prompt(*a))
     out = {}
     for turns in (1, 3):
         extracted.clear(), encoded.clear()
@@ -580,3 +581,86 @@ def test_last_allowed_turn_keeps_no_keys_values_and_prompts_are_encoded_once(tok
     # the first turn's tokens do not depend on whether keys/values were kept
     first = lambda trajs: [t.turns[0].action_ids for t in trajs]  # noqa: E731
     assert first(out[1][2]) == first(out[3][2])
+
+
+# ----------------------------------------------------------------------------- composition
+class ScriptedBackend:
+    """An action backend that answers from a script: the episode loop needs nothing else."""
+
+    reuse_kv = False
+    device = torch.device("cpu")
+
+    def __init__(self, tok, versions):
+        from trajgrad.rollout.generation import SamplingSettings
+
+        self.settings = SamplingSettings.create(1.0, None, None, 4)
+        self.eos_id = end_of_turn_id(tok)
+        self.versions = iter(versions)
+        self.calls = []
+        self.in_eval = False
+
+    def context_limit(self):
+        return None
+
+    def describe(self):
+        return {"model": "scripted"}
+
+    def eval_mode(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.in_eval = True
+            yield
+            self.in_eval = False
+
+        return scope()
+
+    def generate(self, seqs, generator, *, seeded=True, past=None, keep_kv=False):
+        from trajgrad.rollout.generation import Action
+
+        assert self.in_eval and past is None
+        self.calls.append([list(s) for s in seqs])
+        out = []
+        for s in seqs:
+            ids = [40 + len(s) % 7, 41, self.eos_id]
+            out.append(Action(ids, [-0.5, -0.25, -0.125], False, next(self.versions)))
+        return out, [None] * len(seqs)
+
+
+def test_episode_runner_takes_any_action_backend(tok):
+    """The episode loop runs over a backend by composition: sequences in, actions out, the
+    tokens sent being exactly prompt + earlier actions + observations; a version the backend
+    reports is recorded on its turn, otherwise the runner's own."""
+    from trajgrad.rollout.episodes import EpisodeRunner
+
+    backend = ScriptedBackend(tok, [None, 7, None, 8, None, 9])
+    runner = EpisodeRunner(backend, tok, policy_version=2)
+    trajs = runner.rollout(Recorder(max_turns=3), tasks(2), group_size=1, seed=0)
+    assert len(backend.calls) == 3 and [len(c) for c in backend.calls] == [2, 2, 2]
+    versions = [[t.policy_version for t in tr.turns] for tr in trajs]
+    assert versions == [[2, 2, 2], [7, 8, 9]]
+    for tr in trajs:
+        assert tr.sampling["model"] == "scripted" and tr.token_ids()[: len(tr.prompt_ids)] == tr.prompt_ids
+        assert all(t.behaviour_logp == [-0.5, -0.25, -0.125] for t in tr.turns)
+    # what the backend was sent at turn k is the trajectory's tokens up to that turn
+    for k in range(3):
+        for row, tr in enumerate(trajs):
+            sent = backend.calls[k][row]
+            assert tr.token_ids()[: len(sent)] == sent
+    assert not backend.in_eval
+
+
+def test_hf_sampler_is_the_episode_loop_over_the_hf_backend(tok, model):
+    from trajgrad.rollout.episodes import EpisodeRunner
+    from trajgrad.rollout.generation import HFBackend
+
+    s = HFSampler(model, tok, max_new_tokens=5, temperature=0.9, top_k=20, reuse_kv=False)
+    assert isinstance(s, EpisodeRunner) and isinstance(s.backend, HFBackend) and s.model is model
+    direct = EpisodeRunner(HFBackend(model, tok, max_new_tokens=5, temperature=0.9, top_k=20, reuse_kv=False), tok)
+    a = s.rollout(Recorder(max_turns=2), tasks(2), group_size=2, seed=4)
+    b = direct.rollout(Recorder(max_turns=2), tasks(2), group_size=2, seed=4)
+    assert [t.token_ids() for t in a] == [t.token_ids() for t in b]
+    assert [[u.behaviour_logp for u in t.turns] for t in a] == [[u.behaviour_logp for u in t.turns] for t in b]
+    assert (s.temperature, s.top_k, s.top_p, s.max_new_tokens) == (0.9, 20, None, 5)
+    assert s.max_context_tokens == model.config.max_position_embeddings

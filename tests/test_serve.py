@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajgrad.envs.base import StepResult, Task
+from trajgrad.model.learner import learner_logprobs
+from trajgrad.model.tiny import build_tiny_model
 from trajgrad.rollout import collate
 from trajgrad.rollout.chat import observation_ids, prompt_ids
-from trajgrad.rollout.models import build_tiny_model
 from trajgrad.rollout.openai_backend import OpenAISampler
 from trajgrad.serve import create_app
-from trajgrad.train.policy import learner_logprobs
 
 SYSTEM = {"role": "system", "content": "You are a test."}
 MODEL_NAME = "tiny-served"
@@ -699,3 +699,49 @@ def test_cli_serve_builds_and_runs_the_app(monkeypatch, capsys):
 
     main(host="0.0.0.0", port=8124, model="tiny")
     assert "no authentication" in capsys.readouterr().err
+
+
+def test_reload_garbage_adapter_is_a_400_naming_path(tok, learner, tmp_path):
+    """A garbage adapter (unreadable weights, a config that is not a LoRA config, a JSON
+    list) is refused with 400 naming ``path``, into a plain served model (the first adapter
+    would wrap it) and into a LoRA-served one; the model, its version and its modules stay."""
+    from fastapi.testclient import TestClient
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    good = tmp_path / "good"
+    get_peft_model(copy.deepcopy(learner), cfg).save_pretrained(good)
+    cases = {}
+    for name, config, weights in [
+        ("weights", None, b"\x00garbage\xff" * 7),
+        ("config", b"{not json", None),
+        ("list", b"[1, 2, 3]", None),
+        ("not_lora", json.dumps({"peft_type": "NOPE", "r": "x"}).encode(), None),
+        ("empty_weights", None, b""),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_bytes(config if config is not None else (good / "adapter_config.json").read_bytes())
+        (d / "adapter_model.safetensors").write_bytes(
+            weights if weights is not None else (good / "adapter_model.safetensors").read_bytes())
+        cases[name] = d
+    plain = copy.deepcopy(learner)
+    lora = get_peft_model(copy.deepcopy(learner), cfg)
+    for served_model in (plain, lora):
+        app = create_app(served_model, tok, model_name=MODEL_NAME, seed=0, policy_version=3)
+        state = app.state.trajgrad
+        before = {k: v.clone() for k, v in state.model.state_dict().items()}
+        n_modules = len(list(state.model.modules()))
+        with TestClient(app) as c:
+            for name, d in cases.items():
+                r = c.post("/reload", json={"path": str(d), "version": 4})
+                assert r.status_code == 400, (name, r.status_code, r.text)
+                err = r.json()["error"]
+                assert err["param"] == "path" and err["message"].startswith("path:"), (name, err)
+            assert state.model is served_model and state.policy_version == 3
+            assert len(list(state.model.modules())) == n_modules  # nothing was wrapped
+            after = state.model.state_dict()
+            assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
+            # the good adapter still loads afterwards
+            r = c.post("/reload", json={"path": str(good), "version": 5})
+            assert r.status_code == 200 and r.json()["policy_version"] == 5, r.text

@@ -4,6 +4,7 @@ The gradient equality of every loss and aggregation mode across ranks is proven 
 tests/test_distributed.py; here the trainer itself runs under torchrun.
 """
 import json
+import math
 import os
 import signal
 import socket
@@ -70,3 +71,28 @@ def test_killed_learner_stops_job_and_resume_continues(tmp_path):
         assert len(trajs) == 4 * (cfg.train.prompts_per_step // 2) * cfg.objective().group_size
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+@pytest.mark.slow
+def test_dpo_on_two_ranks_with_unequal_shards_matches_one_process(tmp_path):
+    """3 pairs per step over 2 ranks (2 + 1) and an SFT batch of 1 (one rank holds none): the
+    first DPO step's loss and pair metrics equal the single-process run's (§13: the pair count
+    of the whole step is the denominator; no rank trains a duplicated pair)."""
+    from trajgrad.train.trainer import Trainer
+
+    cfg = micro_config("dpo", train={"steps": 2, "prompts_per_step": 3}, sft={"steps": 2, "batch_size": 1},
+                       checkpoint={"every": 0})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    job = _torchrun([str(path), "--run-dir", str(tmp_path / "two")], env)
+    assert job.wait(timeout=300) == 0, job.stderr.read().decode()[-3000:]
+    Trainer(cfg, tmp_path / "one", console=lambda *_: None).run()
+    two = [r for r in read_metrics(tmp_path / "two") if r["kind"] == "train"]
+    one = [r for r in read_metrics(tmp_path / "one") if r["kind"] == "train"]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
+    keys = [k for k in one[0] if k == "loss" or k.startswith("rewards/")]
+    assert "loss" in keys and "rewards/margin" in keys
+    for k in keys:
+        assert two[0][k] == pytest.approx(one[0][k], rel=1e-5, abs=1e-6), k
+    assert all(math.isfinite(r["loss"]) for r in two)

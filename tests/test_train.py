@@ -281,7 +281,7 @@ def _compaction_batch():
 
 
 def test_next_segment_rows_and_bootstrap_values():
-    from trajgrad.train.trainer import bootstrap_values
+    from trajgrad.credit import bootstrap_values
 
     batch = _compaction_batch()
     assert batch.next_segment_rows().tolist() == [-1, -1, 0, -1]
@@ -302,7 +302,7 @@ def test_next_segment_rows_and_bootstrap_values():
 
 
 def test_critic_bootstraps_a_compacted_sub_trace_from_the_next_one(tmp_path):
-    from trajgrad.train.trainer import bootstrap_values
+    from trajgrad.credit import bootstrap_values
 
     torch.manual_seed(0)
     tr = Trainer(micro_config("ppo", critic={"warmup_steps": 0}), tmp_path / "run", console=lambda *_: None)
@@ -344,3 +344,62 @@ def test_overriding_the_recipe_renames_the_run():
         assert load_config(path).name == "tiny-calculator-rloo"
         path.write_text("preset: tiny\nname: keep\nrecipe: {name: rloo}\n")
         assert load_config(path).name == "keep"
+
+
+def test_one_demonstration_trajectory_feeds_sft_and_dpo(tmp_path):
+    """SFT and DPO's chosen responses use rollout.chat.demonstration_trajectory: tokens no
+    policy sampled (version -1 at every action target), no reward, success True."""
+    from trajgrad.rollout import chat
+    from trajgrad.train import demos
+
+    assert demos.demonstration_trajectory is chat.demonstration_trajectory
+    tr = Trainer(micro_config("dpo"), tmp_path / "run", console=lambda *_: None)
+    tasks = tr.train_tasks[:3]
+    batch = tr._demo_batch(tasks)
+    expect = [chat.demonstration_trajectory(tr.tokenizer, tr.source, t) for t in tasks]
+    assert batch.episode_ids == [t.episode_id for t in expect]
+    assert (batch.policy_version[batch.action_mask] == -1).all()
+    assert batch.success.all() and float(batch.rewards.abs().sum()) == 0.0
+    assert batch.action_mask.sum(1).tolist() == [t.num_action_tokens for t in expect]
+    samples = [t for t in tr.sampler.rollout(tr.source, tasks, group_size=2, seed=0) if not t.success]
+    pairs = demos.build_dpo_pairs(tr.tokenizer, tr.source, tasks, samples)
+    assert all(c.metadata["demonstration"] and not r.success for c, r in pairs)
+    step = demos.pairs_for_step(pairs, cursor=1, per_step=2)
+    assert len(step) == min(2, len(pairs))
+
+
+def test_entropy_bonus_reaches_the_loss_with_its_gradient(tmp_path):
+    """entropy_coef > 0: the policy loss gets the exact per-token entropy of the sampling
+    distribution with its gradient, through the chunked head ([B, L, V] never held); value
+    and gradient against the entropy of the full logits by autograd."""
+    from trajgrad.train import updates
+
+    torch.manual_seed(0)
+    cfg = micro_config("grpo", recipe={"name": "grpo", "overrides": {"entropy_coef": 0.05}}, sft={"steps": 0},
+                       sampling={"temperature": 0.7, "max_new_tokens": 8})
+    tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
+    batch = tr._demo_batch(tr.train_tasks[:1])
+    mask = batch.action_mask
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    lp, ent = updates.logprobs_with_entropy(tr.learner, batch)
+    assert ent.requires_grad and lp.requires_grad
+    g_fused = torch.autograd.grad((torch.where(mask, ent * w, 0.0)).sum() + lp.sum(), params)
+    logits = tr.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].double() / 0.7
+    logp_all = torch.log_softmax(logits, -1)
+    ent_ref = -(logp_all.exp() * logp_all).sum(-1)
+    lp_ref = torch.where(mask, logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), 0.0)
+    g_ref = torch.autograd.grad((torch.where(mask, ent_ref * w, 0.0)).sum() + lp_ref.sum(), params)
+    torch.testing.assert_close(ent[mask], ent_ref[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp[mask], lp_ref[mask], rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_fused, g_ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+    # a training step puts the bonus into the loss (and logs the term)
+    tr.run()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert all(math.isfinite(r["entropy_bonus_term"]) and r["entropy_bonus_term"] > 0 for r in rows)
+    # top-k sampling: the bonus would need the truncated distribution's entropy; refused
+    tr.learner.top_k = 5
+    with pytest.raises(ValueError, match="^entropy_coef"):
+        updates.logprobs_with_entropy(tr.learner, batch)

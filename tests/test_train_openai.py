@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.model.tokenizer import build_char_tokenizer
 from trajgrad.serve import create_app
 from trajgrad.train.metrics import read_metrics
 from trajgrad.train.trainer import Trainer

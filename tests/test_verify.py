@@ -46,7 +46,7 @@ def test_user_written_ppo_passes():
 
 
 def test_planted_gspo_token_bug_is_caught_by_gradient_not_value():
-    rep = verify(load_callable(f"{EXAMPLES}/wrong_gspo_token.py:gspo_token_loss"), "gspo_token")
+    rep = verify(load_callable(f"{EXAMPLES}/bugs/gspo_token_detach.py:gspo_token_loss"), "gspo_token")
     by = {c.name: c for c in rep.checks}
     assert not rep.passed
     assert by["value"].passed  # every printed value matches ...

@@ -1,7 +1,7 @@
 r"""Explicit aggregation of per-token terms into one scalar (spec §13).
 
 Let sequence :math:`i` have :math:`L_i = \sum_j m_{ij}` valid action tokens and let
-:math:`x_{ij}` be a per-token term (for example a surrogate). The four modes are
+:math:`x_{ij}` be a per-token term (for example a surrogate). The five modes are
 
 =======================  ==============================================================
 ``token_mean``           :math:`\sum_{ij} m_{ij} x_{ij} \,/\, D`,  :math:`D=\sum_i L_i`
@@ -16,6 +16,8 @@ Let sequence :math:`i` have :math:`L_i = \sum_j m_{ij}` valid action tokens and 
                          depend on the sample (Dr. GRPO; default :math:`C` = the padded
                          length ``L``; with micro-batches of different padded
                          lengths pass it explicitly, e.g. the maximum generation length)
+``token_sum``            :math:`\sum_{ij} m_{ij} x_{ij} \,/\, D`,  :math:`D = 1` (no
+                         normalization at all: the plain sum over valid tokens)
 =======================  ==============================================================
 
 Sequences with no valid token are not counted: appending all-padding rows leaves every
@@ -26,18 +28,31 @@ all micro-batches of an optimizer step and all data-parallel ranks (see
 :class:`Normalizer`). Then the *sum* of the micro-batch/rank losses equals the loss of the
 concatenated batch, which averaging locally normalized losses does not (§13).
 
+``token_sum`` has :math:`D=1` locally and needs no global count: the sum over micro-batches
+is already the sum over the batch. A ``denominator=`` passed with it is still honoured
+(the loss is :math:`\sum m x / D`), which expresses any *fixed* normalizer: e.g. verl's
+``seq-mean-token-sum-norm`` (:math:`\sum_{ij} m_{ij}x_{ij}/C`, no division by the number of
+responses) is ``token_sum`` with ``denominator=C``; TRL's ``dr_grpo``
+(:math:`\sum m x/(B\,C_{max})`, :math:`B` every row, empty or not) is ``token_sum`` with
+``denominator=B*max_completion_length``. :class:`Normalizer` returns :math:`1` for it (or
+:math:`1/W` under gradient averaging over :math:`W` ranks).
+
+A denominator or constant must be positive and finite: an infinite one would turn every
+loss into an exact 0 and silently stop training.
+
 Masked positions are removed by selection, so NaN/inf stored there never reaches the
 result or its gradient.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional, Union
 
 import torch
 
 from . import _checks
 
-MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_constant")
+MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_constant", "token_sum")
 
 Number = Union[float, int, torch.Tensor]
 
@@ -47,16 +62,32 @@ def _validate_mode(mode: str, constant: Optional[float]) -> None:
     if constant is not None:
         if mode != "seq_sum_constant":
             raise ValueError(f"constant: only used by mode 'seq_sum_constant', got mode {mode!r}")
-        _checks.check_positive("constant", float(constant))
+        c = float(constant)
+        _checks.check_positive("constant", c)
+        if not math.isfinite(c):
+            raise ValueError(f"constant: must be finite, got {constant}")
+
+
+def _check_denominator(denominator, dtype, device) -> torch.Tensor:
+    d = torch.as_tensor(denominator, dtype=dtype, device=device)
+    if d.ndim != 0:
+        raise ValueError(f"denominator: must be a scalar, got shape {tuple(d.shape)}")
+    if not bool(d > 0):
+        raise ValueError(f"denominator: must be positive, got {d.item()}")
+    if not bool(torch.isfinite(d)):
+        raise ValueError(f"denominator: must be finite, got {d.item()}")
+    return d
 
 
 def local_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """The local value of :math:`D` for ``mode``: valid tokens, or non-empty sequences."""
+    """The local value of :math:`D` for ``mode``: valid tokens, non-empty sequences, or 1 (``token_sum``)."""
     mask = _checks.check_mask("mask", mask)
     _checks.check_ndim("mask", mask, 2)
     _checks.check_choice("mode", mode, MODES)
     if mode == "token_mean":
         return mask.sum().to(torch.float64)
+    if mode == "token_sum":
+        return torch.ones((), dtype=torch.float64)
     return mask.any(-1).sum().to(torch.float64)
 
 
@@ -77,7 +108,8 @@ def aggregate(
       mode: one of :data:`MODES` (see module docstring for the formulas).
       constant: :math:`C` for ``seq_sum_constant``; defaults to ``L``.
       denominator: overrides :math:`D` (a global count over micro-batches / ranks). Must be
-        positive; a zero local count with no override yields 0 (nothing to aggregate).
+        positive and finite; a zero local count with no override yields 0 (nothing to
+        aggregate). With ``token_sum`` the default is 1.
 
     Returns:
       A scalar tensor, differentiable w.r.t. ``per_token`` at valid positions only.
@@ -103,11 +135,7 @@ def aggregate(
     if denominator is None:
         d = local_count(mask, mode).to(x.dtype).clamp_min(1.0)
     else:
-        d = torch.as_tensor(denominator, dtype=x.dtype, device=x.device)
-        if d.ndim != 0:
-            raise ValueError(f"denominator: must be a scalar, got shape {tuple(d.shape)}")
-        if not bool(d > 0):
-            raise ValueError(f"denominator: must be positive, got {d.item()}")
+        d = _check_denominator(denominator, x.dtype, x.device)
     return numerator / d
 
 
@@ -177,7 +205,9 @@ class Normalizer:
         return float(self._local)
 
     def global_count(self) -> torch.Tensor:
-        """Sum of the counts over all micro-batches and (if initialized) all ranks."""
+        """Sum of the counts over all micro-batches and (if initialized) all ranks (1 for ``token_sum``)."""
+        if self._global is None and self.mode == "token_sum":
+            self._global = torch.ones((), dtype=torch.float64)
         if self._global is None:
             total = self._local.clone()
             dist = torch.distributed
@@ -191,7 +221,10 @@ class Normalizer:
         return self._global
 
     def denominator(self) -> torch.Tensor:
-        """The ``denominator=`` to pass to each micro-batch loss (see class docstring)."""
+        """The ``denominator=`` to pass to each micro-batch loss (see class docstring).
+
+        ``token_sum``: 1 (nothing to count), divided by ``W`` under gradient averaging.
+        """
         total = self.global_count().clamp_min(1.0)
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()

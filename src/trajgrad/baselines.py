@@ -11,8 +11,21 @@ different: it reweights prompts (§12). Both choices are explicit arguments here
 ``group_advantages(               :math:`A_i=(R_i-\bar R_g)/(s_{batch}+\epsilon)`, centred
 scale="batch_std")``               per group, scaled by the batch reward std
 ``leave_one_out``                  :math:`A_i=R_i-\frac{1}{G-1}\sum_{k\ne i}R_k` (RLOO, §5)
+``whiten``                         :math:`(x-\mu)/\sqrt{\sigma^2+\epsilon}` over the valid
+                                   entries of the batch (verl's GAE advantage whitening)
 ``broadcast_to_tokens``            ``turn_advantages.gather(1, turn_ids)`` (§4)
 =================================  ========================================================
+
+**Which standard deviation.** ``unbiased=False`` (the default) is the population std
+:math:`\sqrt{\frac1G\sum(R_i-\bar R)^2}`; ``unbiased=True`` is Bessel's
+:math:`\sqrt{\frac1{G-1}\sum(R_i-\bar R)^2}`, what ``torch.std`` returns and what verl's GRPO
+and TRL's GRPO use. The ratio is :math:`\sqrt{G/(G-1)}`: at :math:`G=8` the unbiased std is
+6.9% larger (its variance 14.3% larger), so every std-scaled advantage is 6.5% smaller, a
+uniform rescaling that acts like a 6.5% smaller learning rate under SGD (Adam mostly absorbs
+it). The population std is kept as the default: it is the statistic of the group itself,
+and it makes :math:`\sum_iA_i^2=G` (up to :math:`\epsilon`).
+
+REINFORCE++, MaxRL and GDPO, built from these pieces, are in :mod:`trajgrad.advantages`.
 
 All rewards are evidence: they are detached and no output carries a gradient.
 """
@@ -24,7 +37,7 @@ import torch
 
 from . import _checks
 
-__all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens"]
+__all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens", "whiten"]
 
 SCALES = ("std", "none", "batch_std")
 
@@ -36,8 +49,8 @@ class GroupAdvantages(NamedTuple):
       advantages: same shape as ``rewards`` (``[N, G]`` or ``[M]``).
       mean: ``[N]`` per-group mean reward :math:`\\bar R` (ragged input: one entry per group,
         groups ordered by increasing group id, i.e. ``torch.unique(group_ids)``).
-      std: per-group population std :math:`s_R` (same layout as ``mean``); exactly 0 for
-        zero-variance groups.
+      std: per-group std :math:`s_R` (same layout as ``mean``; the population std unless the
+        estimator was asked for the unbiased one); exactly 0 for zero-variance groups.
       zero_variance: per-group ``bool``, True when every reward in the group is equal (e.g.
         all-fail / all-success under a binary verifier, §11). Such groups carry no relative
         signal: their advantages are exactly 0. Count them (``zero_variance.sum()``) and
@@ -71,9 +84,10 @@ def _group_index(group_ids, size: int, device):
     return inverse, counts
 
 
-def _stats(rewards: torch.Tensor, group_ids):
-    """Per-group (mean, population std, zero_variance, group sums, counts) and the gather index.
+def _stats(rewards: torch.Tensor, group_ids, unbiased: bool = False):
+    """Per-group (mean, std, zero_variance, group sums, counts) and the gather index.
 
+    The std is the population std, or Bessel's (``unbiased``; a group of one has std 0).
     Dense ``[N, G]`` input returns ``index=None``; ragged ``[M]`` input returns ``inverse``.
     """
     if group_ids is None:
@@ -101,6 +115,8 @@ def _stats(rewards: torch.Tensor, group_ids):
         lo = torch.full_like(total, torch.inf).scatter_reduce(0, index, rewards, "amin")
         spread = hi - lo
     zero_variance = spread == 0
+    if unbiased:
+        var = var * count / (count - 1).clamp_min(1)
     std = torch.where(zero_variance, torch.zeros_like(var), var.sqrt())
     return mean, std, zero_variance, total, count, index
 
@@ -117,6 +133,7 @@ def group_advantages(
     eps: float = 1e-6,
     leave_one_out: bool = False,
     group_ids: Optional[torch.Tensor] = None,
+    unbiased: bool = False,
 ) -> GroupAdvantages:
     r"""Group-relative advantages for ``G`` rollouts of each prompt (spec §11, §12, §5).
 
@@ -154,6 +171,10 @@ def group_advantages(
       leave_one_out: use the §5 baseline; every group needs at least 2 rollouts.
       group_ids: ``[M]`` integer group label of each reward (any integers; groups are
         reported in increasing id order).
+      unbiased: divide the variance by :math:`G-1` instead of :math:`G` (Bessel), for the
+        group std and the batch std alike: verl's and TRL's GRPO (see the module docstring
+        for the size of the difference). A group of one rollout still gets advantage 0
+        (verl gives it :math:`R_i/(1+\epsilon)`).
 
     Returns:
       :class:`GroupAdvantages` ``(advantages, mean, std, zero_variance)``, all detached.
@@ -164,7 +185,7 @@ def group_advantages(
     if eps == float("inf"):
         raise ValueError("eps: must be finite")
     rewards = _rewards(rewards)
-    mean, std, zero_variance, total, count, index = _stats(rewards, group_ids)
+    mean, std, zero_variance, total, count, index = _stats(rewards, group_ids, bool(unbiased))
     if leave_one_out:
         if bool((count < 2).any()):
             name = "rewards" if group_ids is None else "group_ids"
@@ -176,7 +197,7 @@ def group_advantages(
     if scale == "std":
         denom = _per_item(std, index) + eps
     elif scale == "batch_std":
-        batch_std = rewards.std(correction=0) if rewards.numel() > 1 else rewards.new_zeros(())
+        batch_std = rewards.std(correction=int(bool(unbiased))) if rewards.numel() > 1 else rewards.new_zeros(())
         denom = (batch_std + eps).expand_as(rewards)
     else:
         denom = None
@@ -257,3 +278,87 @@ def broadcast_to_tokens(
     out = torch.gather(adv, 1, safe)
     _checks.check_finite("turn_advantages", out, m)
     return _checks.fill_masked(out, m)
+
+
+# ------------------------------------------------------------------ batch normalization
+def _eps(eps) -> float:
+    eps = float(eps)
+    _checks.check_positive("eps", eps, allow_zero=True)
+    if eps == float("inf"):
+        raise ValueError("eps: must be finite")
+    return eps
+
+
+def _weighted_whiten(x: torch.Tensor, w: torch.Tensor, *, shift_mean: bool, unbiased: bool, eps: float,
+                     name: str = "mask", std_plus_eps: bool = False) -> torch.Tensor:
+    """Whiten ``x`` with weights ``w >= 0`` (counts); entries with ``w == 0`` are ignored and returned as 0."""
+    valid = w > 0
+    n = w.sum()
+    if not bool(n > 0):
+        raise ValueError(f"{name}: no valid entry to normalize over")
+    if unbiased and not bool(n > 1):
+        raise ValueError(f"{name}: the unbiased variance needs at least 2 valid entries")
+    xs = torch.where(valid, x, torch.zeros_like(x))
+    mean = (w * xs).sum() / n
+    centred = torch.where(valid, xs - mean, torch.zeros_like(xs))
+    var = (w * centred.square()).sum() / n
+    if unbiased:
+        var = var * n / (n - 1)
+    spread = torch.where(valid, xs, torch.full_like(xs, -torch.inf)).amax() - torch.where(
+        valid, xs, torch.full_like(xs, torch.inf)).amin()
+    if bool(spread == 0):  # a constant batch: exactly 0 (never 0/0, never rounding noise / sqrt(eps))
+        out = torch.zeros_like(xs)
+    else:
+        scale = var.sqrt() + eps if std_plus_eps else torch.sqrt(var + eps)
+        out = centred / scale
+    if not shift_mean:
+        out = out + mean
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def whiten(
+    values: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    r"""Whiten ``values`` over the valid entries of the whole batch (verl's ``masked_whiten``).
+
+    .. math::
+        \mu=\frac{\sum m\,x}{n},\quad \sigma^2=\frac{\sum m\,(x-\mu)^2}{n-1}\ (\text{or }/n),\quad
+        \tilde x=\frac{x-\mu}{\sqrt{\sigma^2+\epsilon}}\ (+\mu\ \text{if not shift\_mean}),\quad n=\sum m.
+
+    verl (0.9.1, ``verl.utils.torch_functional.masked_whiten``) applies it to GAE advantages
+    over every valid token of the batch (``compute_gae_advantage_return``), to REINFORCE++
+    returns and to GDPO's summed advantages; its defaults are the ones here
+    (``shift_mean=True``, Bessel-corrected variance over tokens, :math:`\epsilon=10^{-8}` under
+    the square root). With ``shift_mean=False`` the batch mean is added back: the result keeps
+    the mean and gets unit variance around it. Token-level statistics weigh every *token*
+    equally: long responses weigh more in :math:`\mu,\sigma` (§13).
+
+    Whitening is a batch-level affine map of the advantages: subtracting :math:`\mu` is a
+    (batch-dependent) constant baseline, dividing by :math:`\sigma` a batch-dependent step
+    size; neither is a per-prompt reweighting (§12). The statistics must be computed over the
+    *whole* batch (all micro-batches) before the update.
+
+    A batch whose valid entries are all equal returns exactly 0 (or :math:`\mu` with
+    ``shift_mean=False``), where verl returns rounding noise times :math:`10^4`.
+
+    Args:
+      values: any-shape floating tensor (detached here); NaN/inf allowed at masked entries.
+      mask: optional 0/1 mask of the same shape (default all valid).
+      shift_mean: False adds the mean back after scaling.
+      unbiased: Bessel's correction :math:`n/(n-1)` (verl's default); needs :math:`n\ge2`.
+      eps: :math:`\epsilon\ge0` added to the variance.
+
+    Returns:
+      Whitened values, shape of ``values``, exactly 0 at masked entries; detached.
+    """
+    x = _checks.as_tensor("values", values)
+    _checks.check_floating("values", x)
+    x = x.detach()
+    m = torch.ones(x.shape, dtype=torch.bool, device=x.device) if mask is None else _checks.check_mask("mask", mask, x.shape)
+    _checks.check_finite("values", x, m)
+    return _weighted_whiten(x, m.to(x.dtype), shift_mean=bool(shift_mean), unbiased=bool(unbiased), eps=_eps(eps))

@@ -16,15 +16,16 @@ app = typer.Typer(
 
 
 def _parse_sets(sets: Optional[List[str]]) -> dict:
-    import yaml
+    """``--set key=value`` items (values are YAML); ValueError naming the key otherwise."""
+    from .train.config import parse_overrides
 
-    out: dict = {}
-    for item in sets or []:
-        if "=" not in item:
-            raise typer.BadParameter(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+    return parse_overrides(sets)
+
+
+def _fail(exc: BaseException) -> None:
+    """Print ``error: <one line>`` to stderr and exit with status 2 (no traceback)."""
+    typer.echo("error: " + " ".join(str(exc).split()), err=True)
+    raise typer.Exit(2)
 
 
 @app.command()
@@ -37,9 +38,7 @@ def explain(
     """Print the exact estimator a recipe (or a config) optimizes; with --diff, what differs between two."""
     from .objective import RECIPES, explain as explain_fn, explain_diff
 
-    overrides = _parse_sets(set_)
-
-    def resolve(name: str):
+    def resolve(name: str, overrides):
         if name.endswith((".yaml", ".yml")):
             from .train.config import load_config
 
@@ -49,10 +48,11 @@ def explain(
         return get_recipe(name, **overrides)
 
     try:
+        overrides = _parse_sets(set_)
         if diff is not None:
             if recipe is None:
                 raise ValueError("recipe: --diff needs two recipes or configs: trajgrad explain A --diff B")
-            typer.echo(explain_diff(resolve(recipe), resolve(diff)))
+            typer.echo(explain_diff(resolve(recipe, overrides), resolve(diff, overrides)))
             return
         if all_ or recipe is None:
             names = list(RECIPES)
@@ -67,29 +67,60 @@ def explain(
             return
         typer.echo(explain_fn(recipe, **overrides))
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        _fail(exc)
 
 
 @app.command()
 def verify(
-    target: str = typer.Argument(..., help="The loss to check: package.module:function or path/file.py:function."),
-    as_: str = typer.Option("grpo", "--as", help="Recipe whose reference loss to compare with."),
+    target: Optional[str] = typer.Argument(None, help="The loss to check: package.module:function or path/file.py:function."),
+    as_: Optional[str] = typer.Option(None, "--as", help="Recipe whose reference loss to compare with (default grpo)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Check a peer library's own functions: trl or verl."),
+    out: Path = typer.Option(Path("conformance"), "--out", help="With --peer: folder for the Markdown and HTML report."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a reference recipe field: key=value."),
     seed: int = typer.Option(0, help="Random seed of the test batches."),
+    include_kl: bool = typer.Option(False, "--include-kl", help="Compare with the recipe's KL term too (ref_logp= passed)."),
 ) -> None:
-    """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad."""
+    """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad (--as logprobs: a log-prob function)."""
     from .verify import load_callable, verify as verify_fn
 
+    if peer is not None:
+        _verify_peer(peer, as_, out, seed)
+        return
+    as_ = as_ or "grpo"
     try:
+        if target is None:
+            raise ValueError("target: give MODULE:FUNCTION to check, or --peer trl|verl")
         fn = load_callable(target)
-        report = verify_fn(fn, as_, seed=seed, **_parse_sets(set_))
+        report = verify_fn(fn, as_, seed=seed, include_kl=include_kl, **_parse_sets(set_))
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        _fail(exc)
     typer.echo(f"verify {target} against recipe '{as_}' (float64)\n")
     typer.echo(report.table())
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _verify_peer(peer: str, recipe: Optional[str], out: Path, seed: int) -> None:
+    import importlib
+
+    from .peers import conformance, report
+
+    try:
+        module = importlib.import_module(f".peers.{peer}", __package__) if peer in ("trl", "verl") else None
+        if module is None:
+            raise ValueError(f"--peer: must be trl or verl, got {peer!r}")
+        try:
+            version = importlib.import_module(peer).__version__
+        except ImportError as exc:
+            raise ValueError(f"--peer: {peer} is not installed ({exc}); install the pinned peers: "
+                             f"pip install \"trajgrad[peers]\" (see the README)") from exc
+        results = conformance(peer, recipe=recipe, seed=seed)
+    except ValueError as exc:
+        _fail(exc)
+    typer.echo(f"verify --peer {peer} ({peer} {version}; pinned {module.PINNED}) against trajgrad (float64)\n")
+    typer.echo(report.table(results))
+    for path in report.write(peer, version, results, out):
+        typer.echo(f"wrote {path}")
+    raise typer.Exit(0 if all(r.status.startswith("agrees") for r in results) else 1)
 
 
 @app.command()
@@ -118,21 +149,33 @@ def train(
     config: Optional[Path] = typer.Argument(None, help="YAML config. Omit to train the embedded default."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Named preset (default, tiny, ...)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue a killed run from its directory."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where to write the run (default runs/<name>-<time>)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue a killed run from its directory "
+                                          "(with its own config; --set changes it only with --allow-config-change)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where to write the run (default runs/<name>-<time>); "
+                                           "must not hold a run already."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run in --run-dir (a trajgrad run directory) "
+                                   "instead of refusing it."),
+    allow_config_change: bool = typer.Option(False, "--allow-config-change", help="With --resume: continue under a "
+                                             "config that differs from the run's (the change is recorded in run.json)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --resume: continue from this checkpoint "
+                                             "(step-NNNNNN) instead of the newest, e.g. when the newest is damaged."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Asynchronous runs: join this Ray cluster."),
 ) -> None:
     """Train an agent (the embedded default: SmolLM2-135M + LoRA, calculator tool, GRPO)."""
     from .train.run import main as train_main
 
-    overrides = _parse_sets(set_)
-    if ray_address is not None:
-        overrides["asynchronous.ray_address"] = ray_address
     try:
-        code = train_main(config=config, preset=preset, overrides=overrides, resume=resume, run_dir=run_dir)
+        overrides = _parse_sets(set_)
+        if ray_address is not None:
+            if "asynchronous.ray_address" in overrides:
+                raise ValueError("asynchronous.ray_address: given both with --ray-address and --set")
+            overrides["asynchronous.ray_address"] = ray_address
+        code = train_main(config=config, preset=preset, overrides=overrides, resume=resume, run_dir=run_dir,
+                          overwrite=overwrite, allow_config_change=allow_config_change, checkpoint=checkpoint)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        _fail(exc)
+    except OSError as exc:  # a file system refusal (permissions, full disk, ...): one line, no traceback
+        _fail(ValueError(f"{getattr(exc, 'filename', None) or 'run_dir'}: {exc.strerror or exc}"))
     raise typer.Exit(code or 0)
 
 
@@ -144,8 +187,7 @@ def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.
     try:
         paths = plot_run(run_dir)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        _fail(exc)
     for p in paths:
         typer.echo(str(p))
 
@@ -168,8 +210,7 @@ def serve(
         serve_main(host=host, port=port, model=model, dtype=dtype, adapter=None if adapter is None else str(adapter),
                    model_name=model_name, policy_version=policy_version, seed=seed)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        _fail(exc)
 
 
 def main() -> None:  # console script entry point

@@ -55,6 +55,10 @@ __all__ = [
     "all_reduce_metrics",
     "wrap_ddp",
     "sync_gradients_sum",
+    "gather_objects",
+    "sum_over_ranks",
+    "min_over_ranks",
+    "mean_metrics_over_ranks",
 ]
 
 SHARD_STRATEGIES = ("contiguous", "strided")
@@ -374,3 +378,59 @@ def sync_gradients_sum(params: Iterable[torch.nn.Parameter], *, group=None) -> N
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+
+def gather_objects(value: Any) -> list:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` in a single process."""
+    if not is_distributed():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def sum_over_ranks(value: Number) -> float:
+    """The sum of a number over ranks (float64; the identity in a single process)."""
+    v = _as_float("value", value)
+    if not is_distributed():
+        return v
+    t = torch.tensor([v], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def min_over_ranks(value: int) -> int:
+    """The minimum of an integer over ranks (the identity in a single process)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"value: expected an integer, got {value!r}")
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def mean_metrics_over_ranks(metrics: Mapping[str, Any], weight: float = 1.0) -> Dict[str, float]:
+    r"""Mean over ranks of each finite numeric metric, over the union of keys:
+    :math:`\sum_r w_r m_{r,k} / \sum_r w_r` over the ranks that hold key :math:`k` with a
+    finite value and a positive weight (``weight``: this rank's, e.g. its number of pairs,
+    so that a per-item mean becomes the mean over every rank's items; default 1, the plain
+    mean over ranks).
+
+    Unlike :func:`all_reduce_metrics` the ranks may log different keys (a rank that held
+    no data skipped a phase). In a single process the metrics are returned unchanged.
+    """
+    w = _as_float("weight", weight)
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"weight: must be finite and >= 0, got {weight!r}")
+    if not is_distributed():
+        return dict(metrics)
+    every = gather_objects((dict(metrics), w))
+    keys = sorted(set().union(*[m.keys() for m, _ in every]))
+    out: Dict[str, float] = {}
+    for k in keys:
+        vals = [(float(m[k]), wr) for m, wr in every
+                if k in m and isinstance(m[k], (int, float)) and math.isfinite(m[k]) and wr > 0]
+        if vals:
+            out[k] = float(sum(v * wr for v, wr in vals) / sum(wr for _, wr in vals))
+    return out

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from . import baselines, returns
+from . import advantages, baselines, returns
 from .registry import AdvantageEstimator, register_advantage_estimator
 
 
 def _group(scale: str, *, leave_one_out: bool = False):
     def call(o, rewards, group_ids=None):
         return baselines.group_advantages(rewards, scale=scale, eps=o.std_eps, leave_one_out=leave_one_out,
-                                          group_ids=group_ids)
+                                          group_ids=group_ids, unbiased=o.std_unbiased if scale != "none" else False)
     return call
+
+
+def _std_text(o) -> str:
+    return "unbiased std (1/(G−1), Bessel)" if o.std_unbiased else "population std (1/G)"
 
 
 def _raw_return(o, rewards, group_ids=None):
@@ -31,8 +35,8 @@ register_advantage_estimator(AdvantageEstimator(
 ))
 
 register_advantage_estimator(AdvantageEstimator(
-    name="group_std", level="sequence", call=_group("std"), fields=("std_eps",), min_group=2,
-    text=lambda o: (f"A_i = (R_i − mean_G(R)) / (std_G(R) + {o.std_eps:g}),  G = {o.group_size}, population std (1/G)\n"
+    name="group_std", level="sequence", call=_group("std"), fields=("std_eps", "std_unbiased"), min_group=2,
+    text=lambda o: (f"A_i = (R_i − mean_G(R)) / (std_G(R) + {o.std_eps:g}),  G = {o.group_size}, {_std_text(o)}\n"
                     "    groups with std = 0 have A = 0 (no relative signal, §11); std scaling reweights prompts (§12)"),
 ))
 
@@ -42,8 +46,8 @@ register_advantage_estimator(AdvantageEstimator(
 ))
 
 register_advantage_estimator(AdvantageEstimator(
-    name="batch_std", level="sequence", call=_group("batch_std"), fields=("std_eps",), min_group=2,
-    text=lambda o: f"A_i = (R_i − mean_G(R)) / (std_batch(R) + {o.std_eps:g}),  G = {o.group_size}",
+    name="batch_std", level="sequence", call=_group("batch_std"), fields=("std_eps", "std_unbiased"), min_group=2,
+    text=lambda o: f"A_i = (R_i − mean_G(R)) / (std_batch(R) + {o.std_eps:g}),  G = {o.group_size}, {_std_text(o)}",
 ))
 
 register_advantage_estimator(AdvantageEstimator(
@@ -53,18 +57,88 @@ register_advantage_estimator(AdvantageEstimator(
 
 
 def _gae(o, values, rewards, mask, terminated=None, bootstrap_value=None):
-    return returns.token_skip_observation_gae(values, rewards, mask, gamma=o.gamma, lam=o.lam, terminated=terminated,
-                                              bootstrap_value=bootstrap_value)
+    out = returns.token_skip_observation_gae(values, rewards, mask, gamma=o.gamma, lam=o.lam, terminated=terminated,
+                                             bootstrap_value=bootstrap_value)
+    if o.whiten_advantages:  # verl: whiten the advantages over the batch's valid tokens; targets unchanged
+        out = out._replace(advantages=baselines.whiten(out.advantages, mask))
+    return out
+
+
+def _gae_text(o) -> str:
+    s = (f"A_t = Σ_l (γλ)^l δ_{{t+l}},  δ_t = r_t + γ V(next action token) − V(t),  γ = {o.gamma:g}, "
+         f"λ = {o.lam:g}\n"
+         "    skip-observation: tool-observation and prompt tokens are bridged, not decayed through (§20.4);\n"
+         "    true termination zeroes the bootstrap, truncation bootstraps from V (§6)")
+    if o.whiten_advantages:
+        s += ("\n    whitened over the batch: A_t ← (A_t − μ) / sqrt(σ² + 1e-8), μ, σ² (Bessel) over every valid token\n"
+              "    of the whole batch (verl); the value targets are computed before and stay unwhitened")
+    return s
 
 
 register_advantage_estimator(AdvantageEstimator(
-    name="gae", level="token", call=_gae, fields=("gamma", "lam"), needs_critic=True,
-    text=lambda o: (f"A_t = Σ_l (γλ)^l δ_{{t+l}},  δ_t = r_t + γ V(next action token) − V(t),  γ = {o.gamma:g}, "
-                    f"λ = {o.lam:g}\n"
-                    "    skip-observation: tool-observation and prompt tokens are bridged, not decayed through (§20.4);\n"
-                    "    true termination zeroes the bootstrap, truncation bootstraps from V (§6)"),
+    name="gae", level="token", call=_gae, fields=("gamma", "lam", "whiten_advantages"), needs_critic=True,
+    text=_gae_text,
 ))
 
 register_advantage_estimator(AdvantageEstimator(
     name="none", level="none", call=None, fields=(), text=lambda o: "none (the loss takes no advantage)",
+))
+
+
+# ---------------------------------------------------------------------- REINFORCE++ (Hu et al. 2025)
+def _reinforce_pp(group_baseline: bool):
+    def call(o, rewards, group_ids=None):
+        return advantages.reinforce_pp_advantages(rewards, group_baseline=group_baseline, group_ids=group_ids,
+                                                  unbiased=o.std_unbiased, eps=o.std_eps)
+    return call
+
+
+def _reinforce_pp_text(group_baseline: bool):
+    def text(o) -> str:
+        centred = "R_i − mean_G(R)" if group_baseline else "R_i"
+        var = "Bessel (1/(n−1))" if o.std_unbiased else "population (1/n)"
+        g = f",  G = {o.group_size}" if group_baseline else ""
+        return (f"Ã_i = {centred}{g};  A_i = (Ã_i − mean_batch(Ã)) / sqrt(var_batch(Ã) + {o.std_eps:g}),  "
+                f"{var} variance\n"
+                "    one normalization over the whole batch of responses, not per prompt (REINFORCE++; a per-token\n"
+                "    KL goes into the reward before it, kl_placement = 'reward')")
+    return text
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="reinforce_pp", level="sequence", call=_reinforce_pp(False), fields=("std_eps", "std_unbiased"),
+    text=_reinforce_pp_text(False),
+))
+
+register_advantage_estimator(AdvantageEstimator(
+    name="reinforce_pp_baseline", level="sequence", call=_reinforce_pp(True), fields=("std_eps", "std_unbiased"),
+    min_group=2, text=_reinforce_pp_text(True),
+))
+
+
+# ---------------------------------------------------------------------- MaxRL (Tajwar et al. 2026)
+register_advantage_estimator(AdvantageEstimator(
+    name="maxrl", level="sequence", fields=(), min_group=2,
+    call=lambda o, rewards, group_ids=None: advantages.maxrl_advantages(rewards, group_ids=group_ids),
+    text=lambda o: (f"A_i = (R_i − mean_G(R)) / mean_G(R),  G = {o.group_size};  A_i = 0 when mean_G(R) = 0 "
+                    "(no success)\n"
+                    "    rewards ≥ 0 (success indicator); = the score averaged over successful rollouts minus a control\n"
+                    "    variate: prompts weigh ~1/p (maximum likelihood of success, MaxRL)"),
+))
+
+
+# ---------------------------------------------------------------------- GDPO (Liu et al. 2026)
+def _gdpo(o, rewards, group_ids=None):
+    r = torch.as_tensor(rewards)
+    if r.ndim == (1 if group_ids is not None else 2):  # one reward component
+        r = r[..., None]
+    return advantages.gdpo_advantages(r, group_ids=group_ids, eps=o.std_eps, unbiased=o.std_unbiased)
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="gdpo", level="sequence", call=_gdpo, fields=("std_eps", "std_unbiased"), min_group=2,
+    text=lambda o: (f"A^k_i = (R^k_i − mean_G(R^k)) / (std_G(R^k) + {o.std_eps:g}) for each reward component k,  "
+                    f"G = {o.group_size}, {_std_text(o)}\n"
+                    f"S_i = Σ_k A^k_i;  A_i = (S_i − mean_batch(S)) / (std_batch(S) + {o.std_eps:g})   (GDPO: components\n"
+                    "    normalized apart, so different reward combinations keep different advantages)"),
 ))

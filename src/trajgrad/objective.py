@@ -41,9 +41,16 @@ from .registry import (
 from .types import LossResult
 
 KL_PLACEMENTS = ("none", "reward", "loss")
+KL_KINDS = ("k1", "k2", "k3", "k1+", "k3+", "low_var_kl", "low_var_kl+")
+# kl_kind -> (kind, clamp) of trajgrad.losses.kl_estimate: verl's "low_var_kl" (its "k3") is k3
+# clamped to [-10, 10]; the "+" kinds take the k2 gradient (verl's straight-through "k3+")
+_KL_ESTIMATE_ARGS = {
+    "k1": ("k1", None), "k2": ("k2", None), "k3": ("k3", None), "k1+": ("k1+", None), "k3+": ("k3+", None),
+    "low_var_kl": ("k3", 10.0), "low_var_kl+": ("k3+", 10.0),
+}
+DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
 SAPO_LEVELS = ("token", "sequence")
 CLIP_COV_HIGH = 5.0  # Clip-Cov's upper covariance bound (Cui et al. 2025)
-KL_KINDS = ("k1", "k2", "k3")
 # fields every recipe reads (the rest are read only by the entries or modes that declare them)
 _ALWAYS = ("name", "loss", "advantage", "aggregation", "kl_placement", "entropy_coef", "group_size", "paper")
 # fields that set the training schedule, not the value of one loss evaluation
@@ -69,8 +76,11 @@ class Objective:
       advantage: advantage estimator, a key of :data:`trajgrad.registry.ADVANTAGE_ESTIMATORS`:
         ``return`` (raw return, §2), ``group_std`` (GRPO, §11), ``group_center`` (Dr. GRPO,
         §12), ``batch_std`` (centred per group, scaled by the batch std), ``leave_one_out``
-        (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4), ``none``
-        (the loss needs no advantage: OPD, DPO).
+        (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4),
+        ``reinforce_pp`` / ``reinforce_pp_baseline`` (REINFORCE++: batch normalization, without
+        or after the group mean), ``maxrl`` ((R − mean)/mean), ``gdpo`` (per-component group
+        normalization, summed, batch normalized; ``trajgrad.advantages``), ``none`` (the loss
+        needs no advantage: OPD, DPO).
       aggregation: one of :data:`trajgrad.aggregate.MODES` (§13).
       constant: Dr. GRPO's constant normalizer (``seq_sum_constant``); ``None`` = the padded
         generation length.
@@ -94,6 +104,21 @@ class Objective:
       entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
         where ``H`` is the exact entropy of the full sampling distribution (0 = off).
       paper: the reference the defaults come from.
+      std_unbiased: the group (and batch) std of the std-scaling estimators divides by G − 1
+        (Bessel; verl's and TRL's GRPO) instead of G (default, the population std): at G = 8
+        the advantages are 6.5% smaller (``trajgrad.baselines.group_advantages``).
+      whiten_advantages: GAE advantages are whitened over every valid token of the batch,
+        (A − μ) / sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``;
+        ``trajgrad.baselines.whiten``); the value targets stay unwhitened.
+      kl_bias_correction: the KL loss term is weighted by the attached ratio ρ = π_θ / sg[π_old]
+        (TRL's ``use_bias_correction_kl``, on by default in TRL 1.16): the unbiased reverse-KL
+        gradient for tokens sampled from π_old (on-policy, without ``old_logp``, ρ = π_θ/sg[π_θ]).
+        ``kl_kind`` also takes verl's ``low_var_kl`` (k3 clamped to [−10, 10], what verl calls
+        ``k3``) and the straight-through ``k1+``, ``k3+``, ``low_var_kl+`` (value of k1 / k3 /
+        clamped k3, gradient of k2; verl's ``k3+`` is ``low_var_kl+``).
+      dpo_loss_type, label_smoothing, simpo_gamma: the preference loss of a pairwise recipe
+        (``trajgrad.losses.dpo_loss``: ``sigmoid`` (DPO, default), ``robust``, ``hinge``,
+        ``ipo``, ``simpo``), its label smoothing ε and SimPO's margin γ.
       sapo_level: SAPO's gate on token ratios (``"token"``) or on GSPO's sequence ratio
         (``"sequence"``).
       weight_eps_low: CISPO's lower clip of the IS weight, bound ``1 − weight_eps_low``
@@ -137,6 +162,12 @@ class Objective:
     value_clip: Optional[float] = None
     entropy_coef: float = 0.0
     paper: str = ""
+    std_unbiased: bool = False
+    whiten_advantages: bool = False
+    kl_bias_correction: bool = False
+    dpo_loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
     sapo_level: str = "token"
     weight_eps_low: float = 1.0
     log_clip_low: float = 0.4
@@ -165,6 +196,15 @@ class Objective:
         _checks.check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
         _checks.check_choice("kl_kind", self.kl_kind, KL_KINDS)
         _checks.check_choice("ratio_gradient", self.ratio_gradient, ("detached", "attached"))
+        _checks.check_choice("dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
+        for f in ("std_unbiased", "whiten_advantages", "kl_bias_correction"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}: must be True or False, got {getattr(self, f)!r}")
+        _finite_positive("label_smoothing", self.label_smoothing, allow_zero=True)
+        _checks.check_in_range("label_smoothing", self.label_smoothing, 0.0, 0.5, inclusive=(True, False))
+        if isinstance(self.simpo_gamma, bool) or not isinstance(self.simpo_gamma, (int, float)) \
+                or not math.isfinite(self.simpo_gamma):
+            raise ValueError(f"simpo_gamma: must be a finite number, got {self.simpo_gamma!r}")
         _finite_positive("eps_low", self.eps_low)
         if "eps_low" in self.term.fields and not self.eps_low < 1:
             raise ValueError(f"eps_low: must lie in (0, 1) (the lower bound 1 − eps_low must be positive), got {self.eps_low}")
@@ -267,6 +307,10 @@ class Objective:
         f = list(_ALWAYS) + list(self.term.fields) + list(self.estimator.fields)
         if self.kl_placement != "none":
             f += ["kl_coef", "kl_kind"]
+        if self.kl_placement == "loss":
+            f.append("kl_bias_correction")
+        if self.kind == "pairwise":
+            f += ["dpo_loss_type", "label_smoothing"] + (["simpo_gamma"] if self.dpo_loss_type == "simpo" else [])
         if self.aggregation == "seq_sum_constant":
             f.append("constant")
         if self.critic:
@@ -319,16 +363,24 @@ class Objective:
             raise ValueError(f"advantage: token_advantages needs a token-level estimator, recipe uses {self.advantage!r}")
         return self.estimator.call(self, values, rewards, mask, terminated, bootstrap_value)
 
+    def kl_per_token(self, logp, ref_logp, mask, *, old_logp=None) -> torch.Tensor:
+        """The recipe's per-token KL estimate ``k(logp, ref_logp)`` (``kl_kind``; §9), ``[B, L]``.
+
+        ``old_logp`` is used only with ``kl_bias_correction`` (the ratio weight to the sampling policy).
+        """
+        from .losses import kl_estimate
+
+        kind, clamp = _KL_ESTIMATE_ARGS[self.kl_kind]
+        return kl_estimate(logp, ref_logp, mask, kind=kind, clamp=clamp, old_logp=old_logp)
+
     def kl_in_reward(self, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Per-token KL penalty ``kl_coef * k(logp, ref_logp)`` to subtract from rewards (§9).
 
         Detached: a reward is evidence. Zero when the recipe puts no KL in the reward.
         """
-        from .losses import kl_estimate
-
         if self.kl_placement != "reward":
             return torch.zeros_like(logp).detach()
-        return (self.kl_coef * kl_estimate(logp.detach(), ref_logp, mask, kind=self.kl_kind)).detach()
+        return (self.kl_coef * self.kl_per_token(logp.detach(), ref_logp, mask)).detach()
 
     # ------------------------------------------------------------------ the loss
     def loss_fn(self):
@@ -412,8 +464,10 @@ class Objective:
         if self.kl_placement == "loss":
             if ref_logp is None:
                 raise ValueError("ref_logp: required when kl_placement is 'loss'")
-            kl_term = aggregate(kl_estimate(logp, ref_logp, mask, kind=self.kl_kind), mask, self.aggregation,
-                                constant=c, denominator=denominator)
+            # bias correction: ratio to the sampling policy; on-policy (no old_logp) sg[log π_θ] itself
+            ratio_to = (old_logp if old_logp is not None else logp.detach()) if self.kl_bias_correction else None
+            kl_term = aggregate(self.kl_per_token(logp, ref_logp, mask, old_logp=ratio_to),
+                                mask, self.aggregation, constant=c, denominator=denominator)
             loss = loss + self.kl_coef * kl_term
             metrics["kl_loss_term"] = kl_term.detach()
         if self.entropy_coef > 0:
@@ -436,10 +490,15 @@ class Objective:
             raise ValueError(f"critic: recipe {self.name!r} has no critic")
         return value_loss(values, targets, mask, old_values=old_values, clip_range=self.value_clip, denominator=denominator)
 
-    def dpo_loss(self, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp) -> LossResult:
+    def dpo_loss(self, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, chosen_length=None,
+                 rejected_length=None, denominator=None) -> LossResult:
+        """The preference loss (``dpo_loss_type``); lengths are the response token counts (``ipo``, ``simpo``)."""
         if self.kind != "pairwise":
             raise ValueError(f"loss: recipe {self.name!r} is not a preference-pair recipe")
-        return self.term.fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta=self.beta)
+        return self.term.fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta=self.beta,
+                            loss_type=self.dpo_loss_type, label_smoothing=self.label_smoothing,
+                            simpo_gamma=self.simpo_gamma, chosen_length=chosen_length,
+                            rejected_length=rejected_length, denominator=denominator)
 
     def distill_loss(self, *, mask, denominator=None, **inputs) -> LossResult:
         if self.kind != "distill":
@@ -468,17 +527,45 @@ _AGG_TEXT = {
     "seq_mean_token_mean": "(1/B) Σ_i (1/L_i) Σ_t m_it x_it     (every response weighs the same; tokens of long responses weigh less)",
     "seq_mean_token_sum": "(1/B) Σ_i Σ_t m_it x_it             (sum over a response's tokens, mean over responses)",
     "seq_sum_constant": "(1/B) Σ_i Σ_t m_it x_it / C          (C constant = {C}; no per-response length normalization)",
+    "token_sum": "Σ_i Σ_t m_it x_it                   (plain sum over valid tokens; no normalization)",
+}
+
+
+_K3 = "k3 = π_ref/π_θ − 1 − log(π_ref/π_θ)"
+_KL_TEXT = {
+    "k1": "k1 = log π_θ − log π_ref", "k2": "k2 = ½ (log π_θ − log π_ref)²", "k3": _K3,
+    "k1+": "k1+ = k2 − sg[k2] + sg[k1]  (value k1 = log π_θ − log π_ref, gradient of k2 = ½ z²: straight-through)",
+    "k3+": f"k3+ = k2 − sg[k2] + sg[k3]  (value {_K3}, gradient of k2 = ½ z²: straight-through)",
+    "low_var_kl": f"clip({_K3}, −10, 10)  (verl's low_var_kl; zero gradient where clipped)",
+    "low_var_kl+": f"k2 − sg[k2] + sg[clip(k3, −10, 10)]  ({_K3}; value clipped k3, gradient of k2 = ½ z²)",
 }
 
 
 def _kl_text(o: Objective) -> str:
-    k = {"k1": "k1 = log π_θ − log π_ref", "k2": "k2 = ½ (log π_θ − log π_ref)²",
-         "k3": "k3 = π_ref/π_θ − 1 − log(π_ref/π_θ)"}[o.kl_kind]
+    k = _KL_TEXT[o.kl_kind]
     if o.kl_placement == "none":
         return "none"
     if o.kl_placement == "reward":
         return f"in the reward: r_t ← r_t − {o.kl_coef:g} · sg[{k}]  (per token, detached)"
+    if o.kl_bias_correction:
+        k = (f"ρ_t · [{k}],  ρ_t = π_θ/sg[π_old] attached (bias correction: unbiased reverse-KL gradient for "
+             "tokens sampled from π_old)")
     return f"in the loss: + {o.kl_coef:g} · aggregate({k})  (same aggregation and denominator as the policy term)"
+
+
+_DPO_TEXT = {
+    "sigmoid": "− (1 − ε) log σ(z) − ε log σ(−z)   (DPO; ε = {ls:g} label smoothing, conservative DPO when > 0)",
+    "robust": "[− (1 − ε) log σ(z) + ε log σ(−z)] / (1 − 2ε),  ε = {ls:g}   (robust DPO under label noise)",
+    "hinge": "max(0, 1 − z)   (SLiC hinge)",
+    "ipo": "(h − 1/(2β))²,  h = z/β, per-token log-ratios when lengths are given (TRL)   (IPO)",
+    "simpo": ("− (1 − ε) log σ(x) − ε log σ(−x),  x = β (log π_θ(y_w)/|y_w| − log π_θ(y_l)/|y_l|) − {g:g},  ε = {ls:g}"
+              "   (SimPO: no reference model)"),
+}
+
+
+def _dpo_variant_text(o: Objective) -> str:
+    return ("preference loss: " + o.dpo_loss_type + ",  z = β [log π_θ(y_w) − log π_ref(y_w)] − β [log π_θ(y_l) − "
+            "log π_ref(y_l)]\n    loss = " + _DPO_TEXT[o.dpo_loss_type].format(ls=o.label_smoothing, g=o.simpo_gamma))
 
 
 def _aggregation_text(o: Objective) -> str:
@@ -508,7 +595,7 @@ def sections(recipe: "str | Objective", **overrides: Any) -> Dict[str, str]:
     o = _resolve(recipe, **overrides)
     s: Dict[str, str] = {
         "advantage": o.estimator.text(o),
-        "per-token term (to minimize)": o.term.text(o),
+        "per-token term (to minimize)": o.term.text(o) + ("\n" + _dpo_variant_text(o) if o.kind == "pairwise" else ""),
         "aggregation": o.aggregation + "\n" + _aggregation_text(o),
         "KL to reference": _kl_text(o),
         "critic": "none",

@@ -88,4 +88,51 @@ RECIPES: Dict[str, Objective] = {
         cov_kl_coef=1.0, group_size=8,
         paper="Cui et al. 2025 (The Entropy Mechanism of RL for Reasoning LMs, KL-Cov; ratio 2e-3 for 7B)",
     ),
+    # ------------------------------------------------------------------ peers' defaults, reproduced
+    "verl-grpo": Objective(
+        name="verl-grpo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2,
+        dual_clip=3.0, std_eps=1e-6, std_unbiased=True, kl_placement="loss", kl_coef=0.001, kl_kind="low_var_kl",
+        group_size=5,
+        paper=("verl 0.9.1 GRPO defaults (docs/algo/grpo.md, examples/grpo_trainer): torch.std groups, token-mean, "
+               "clip 0.2, dual clip 3, k3 KL loss clamped to ±10, coef 0.001, n = 5"),
+    ),
+    "verl-ppo": Objective(
+        name="verl-ppo", loss="ppo", advantage="gae", aggregation="token_mean", eps_low=0.2,
+        dual_clip=3.0, gamma=1.0, lam=1.0, whiten_advantages=True, critic=True, value_clip=0.5,
+        paper=("verl 0.9.1 PPO defaults (ppo_trainer.yaml, actor.yaml, critic.yaml): GAE γ = λ = 1 whitened over "
+               "tokens, token-mean, clip 0.2, dual clip 3, value clip 0.5, no KL"),
+    ),
+    "trl-grpo": Objective(
+        name="trl-grpo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2,
+        std_eps=1e-4, std_unbiased=True, kl_kind="k3", kl_bias_correction=True, group_size=8,
+        paper=("TRL 1.16 GRPOConfig defaults: scale_rewards='group' (Bessel std + 1e-4), loss_type='dapo' "
+               "(token mean over the accumulated batch), epsilon 0.2, beta 0 (no KL), num_generations 8"),
+    ),
+    "trl-dapo": Objective(
+        name="trl-dapo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2, eps_high=0.28,
+        std_eps=1e-4, std_unbiased=True, kl_kind="k3", kl_bias_correction=True, group_size=16,
+        paper=("TRL's DAPO configuration (paper_index.md): loss_type='dapo', epsilon 0.2, epsilon_high 0.28, "
+               "beta 0, num_generations 16; dynamic sampling is not supported in TRL"),
+    ),
+    # ------------------------------------------------------------------ estimators of issue 13
+    "reinforce_pp": Objective(
+        name="reinforce_pp", loss="ppo", advantage="reinforce_pp", aggregation="token_mean", eps_low=0.2,
+        std_eps=1e-8, std_unbiased=True, kl_placement="reward", kl_kind="k1", kl_coef=0.001, group_size=1,
+        paper="Hu et al. 2025 (REINFORCE++, arXiv 2501.03262): global batch normalization, k1 KL in the reward",
+    ),
+    "reinforce_pp_baseline": Objective(
+        name="reinforce_pp_baseline", loss="ppo", advantage="reinforce_pp_baseline", aggregation="token_mean",
+        eps_low=0.2, std_eps=1e-8, std_unbiased=True, kl_placement="reward", kl_kind="k1", kl_coef=0.001,
+        group_size=8,
+        paper="Hu et al. 2025 (REINFORCE++-baseline): group mean subtracted, then global batch normalization",
+    ),
+    "maxrl": Objective(
+        name="maxrl", loss="ppo", advantage="maxrl", aggregation="token_mean", eps_low=0.2, group_size=8,
+        paper="Tajwar et al. 2026 (MaxRL, arXiv 2602.02710): A = (R − mean)/mean, GRPO's clipped loss",
+    ),
+    "gdpo": Objective(
+        name="gdpo", loss="ppo", advantage="gdpo", aggregation="token_mean", eps_low=0.2, std_eps=1e-4,
+        std_unbiased=True, group_size=8,
+        paper="Liu et al. 2026 (GDPO, arXiv 2601.05242): per-component group normalization, sum, batch normalization",
+    ),
 }

@@ -31,7 +31,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import _checks
-from ..aggregate import MODES, _validate_mode
+from ..aggregate import MODES, _check_denominator, _validate_mode
 
 class Inputs:
     """Validated inputs of a policy loss (see the module docstring).
@@ -184,12 +184,7 @@ def prepare(
 def _denominator(denominator, dtype, device) -> Optional[torch.Tensor]:
     if denominator is None:
         return None
-    d = torch.as_tensor(denominator, dtype=dtype, device=device)
-    if d.ndim != 0:
-        raise ValueError(f"denominator: must be a scalar, got shape {tuple(d.shape)}")
-    if not bool(torch.isfinite(d)) or not bool(d > 0):
-        raise ValueError(f"denominator: must be a finite positive number, got {d.item()}")
-    return d
+    return _check_denominator(denominator, dtype, device)
 
 
 def check_aggregation(mode: str, constant: Optional[float]) -> None:
@@ -238,6 +233,8 @@ def _count(x: Inputs, mode: str, denominator, like: torch.Tensor) -> torch.Tenso
         return d
     if mode == "token_mean":
         return x.tokens.to(like.dtype).clamp_min(1.0)
+    if mode == "token_sum":
+        return torch.ones((), dtype=like.dtype, device=like.device)
     return (x.lengths > 0).sum().to(like.dtype).clamp_min(1.0)
 
 

@@ -23,31 +23,88 @@ of the reverse KL :math:`\nabla\mathrm{KL}(\pi_\theta\Vert\pi_{ref})
   (\pi_{ref}\Vert\pi_\theta)`: the *forward* KL gradient. This is the term GRPO adds to
   its loss (Shao et al., 2024); its value estimates the reverse KL, its gradient follows the
   forward one.
+
+Peer conventions, each an explicit option of :func:`kl_estimate` (value and gradient):
+
+=====================  ===================================  ================================
+option                 value                                gradient w.r.t. ``logp``
+=====================  ===================================  ================================
+``kind="k3+"``         k3                                   :math:`z` (the k2 gradient):
+                                                            :math:`k_2-\mathrm{sg}[k_2]+
+                                                            \mathrm{sg}[k_3]`, verl ``k3+``
+``kind="k1+"``         k1                                   :math:`z`, verl ``k1+``
+``clamp=c``            :math:`\operatorname{clip}(k,-c,c)`  0 where clipped; verl clamps
+                                                            its k3 (``low_var_kl``) to
+                                                            :math:`[-10,10]`
+``old_logp=``          :math:`\rho\,k`,                    :math:`\rho(k+\partial k/\partial
+                       :math:`\rho=e^{\ell^\theta-         \ell)`; TRL's
+                       \mathrm{sg}[\ell^{old}]}`            ``use_bias_correction_kl``
+=====================  ===================================  ================================
+
+The straight-through ``+`` kinds (verl PR 2953) report the k1/k3 value while following the
+k2 gradient, whose expectation on-policy is the reverse-KL gradient. The bias correction
+(TRL 1.16 ``use_bias_correction_kl``, DeepSeek-V3.2 report) weights the estimate by the
+*attached* ratio to the sampling policy: for tokens sampled from :math:`\pi_{old}`,
+:math:`\mathbb E_{old}[\nabla(\rho k_3)]=\nabla\,\mathbb E_{\pi_\theta}[k_3]=
+\nabla\mathrm{KL}(\pi_\theta\Vert\pi_{ref})`, the unbiased reverse-KL gradient, and this
+holds even on-policy where :math:`\rho=1` in value (its gradient is not 0).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from .. import _checks
 
-KINDS = ("k1", "k2", "k3")
+KINDS = ("k1", "k2", "k3", "k1+", "k3+")
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask=None, *, kind: str = "k1") -> torch.Tensor:
-    r"""Per-token sampled estimate of :math:`\mathrm{KL}(\pi\Vert\pi_{ref})` (see the module table).
+def kl_estimate(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask=None,
+    *,
+    kind: str = "k1",
+    clamp: Optional[float] = None,
+    old_logp: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    r"""Per-token sampled estimate of :math:`\mathrm{KL}(\pi\Vert\pi_{ref})` (§9; see the module tables).
+
+    With :math:`z=\ell^\theta-\mathrm{sg}[\ell^{ref}]`:
+
+    .. math::
+        k_1=z,\quad k_2=\tfrac12z^2,\quad k_3=e^{-z}-1+z,\quad
+        k_{1+}=k_2-\mathrm{sg}[k_2]+\mathrm{sg}[k_1],\quad k_{3+}=k_2-\mathrm{sg}[k_2]+\mathrm{sg}[k_3].
+
+    Then, in this order: ``clamp`` :math:`c` replaces the estimate by
+    :math:`\operatorname{clip}(k,-c,c)` (for the ``+`` kinds the reported value is clipped,
+    the k2 gradient is not: verl's form), and ``old_logp`` multiplies it by the attached
+    ratio :math:`\rho=\exp(\ell^\theta-\mathrm{sg}[\ell^{old}])` (TRL's KL bias correction).
+
+    verl 0.9.1 ``low_var_kl``/``k3`` is ``kind="k3", clamp=10`` exactly (its inner clamp of
+    :math:`z` to :math:`[-20,20]` only acts where :math:`k_3>10` already). TRL 1.16's GRPO KL
+    with ``use_bias_correction_kl=True`` is ``kind="k3", old_logp=old_logp``.
 
     Args:
       logp: ``[B, L]`` log-probs of tokens sampled from :math:`\pi` (attached).
       ref_logp: ``[B, L]`` reference log-probs of the same tokens (detached here).
       mask: optional ``[B, L]`` action mask (default: all valid).
-      kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+      kind: one of :data:`KINDS`.
+      clamp: optional :math:`c>0` (finite) bounding the estimate to :math:`[-c, c]`.
+      old_logp: optional ``[B, L]`` log-probs under the sampling policy (detached here);
+        when given, the estimate is weighted by the attached ratio :math:`\rho`.
     Returns:
       ``[B, L]`` estimates, exactly 0 at masked positions (no gradient there). Reduce with
-      :func:`trajgrad.aggregate.aggregate` or put them in the reward.
+      :func:`trajgrad.aggregate.aggregate` or put them in the reward (detached).
     """
     _checks.check_choice("kind", kind, KINDS)
+    if clamp is not None:
+        c = float(clamp)
+        _checks.check_positive("clamp", c)
+        if not math.isfinite(c):
+            raise ValueError(f"clamp: must be finite, got {clamp}")
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
@@ -58,12 +115,21 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask=None, *, kind: 
     lp = _checks.per_token("logp", logp, logp.shape, m)
     ref = _checks.per_token("ref_logp", _checks.as_tensor("ref_logp", ref_logp).detach(), logp.shape, m)
     z = lp - ref
-    if kind == "k1":
+    base = kind.rstrip("+")
+    if base == "k1":
         out = z
-    elif kind == "k2":
+    elif base == "k2":
         out = 0.5 * z.square()
     else:
         out = torch.expm1(-z) + z
+    if clamp is not None:
+        out = torch.clamp(out, -c, c)
+    if kind.endswith("+"):
+        k2 = 0.5 * z.square()
+        out = k2 - k2.detach() + out.detach()
+    if old_logp is not None:
+        old = _checks.per_token("old_logp", _checks.as_tensor("old_logp", old_logp).detach(), logp.shape, m)
+        out = out * torch.exp(lp - old)
     return _checks.fill_masked(out, m)
 
 

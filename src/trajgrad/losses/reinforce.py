@@ -5,12 +5,26 @@ masked slots *before* any nonlinear operation) lives in :mod:`._common`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..types import LossResult
 from ._common import aggregate_tokens, prepare, token_weights, valid_sum, weighted
+
+
+class _Inputs(NamedTuple):
+    logp: torch.Tensor  # [B, L] attached, 0 at masked positions
+    mask: torch.Tensor  # [B, L] bool
+    advantages: torch.Tensor  # [B, L] detached, 0 at masked positions
+    behaviour: Optional[torch.Tensor]  # [B, L] detached, 0 at masked positions
+
+
+def _prepare(logp, mask, advantages, *, aggregation: str, behaviour=None, behaviour_name: Optional[str] = None):
+    """Validated inputs with every tensor zeroed at masked slots (kept for modules that use it;
+    the losses here use :func:`._common.prepare`, which forms these only on demand)."""
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=behaviour, behaviour_name=behaviour_name)
+    return _Inputs(x.logp, x.mask, x.advantages, x.behaviour)
 
 
 def reinforce_loss(

@@ -34,11 +34,16 @@ def value_loss(
     errors,
 
     .. math::
-        V^{clip}=V^{old}+\operatorname{clip}(V-V^{old},-c,c),\qquad
+        V^{clip}=\begin{cases}V^{old}+c & V-V^{old}>c\\ V^{old}-c & V-V^{old}<-c\\
+        V & \text{otherwise}\end{cases},\qquad
         \tfrac12\max\big((V-R)^2,(V^{clip}-R)^2\big),
 
     so the critic cannot profit from moving farther than :math:`c` from its rollout-time
-    prediction (where the clipped error is the larger, the gradient is 0).
+    prediction (where the clipped error is the larger, the gradient is 0). :math:`V^{clip}`
+    is *selected* (``torch.where``), not rebuilt as :math:`V^{old}+\operatorname{clip}(V-V^{old})`:
+    inside the range it is exactly :math:`V`, so ``value/clip_frac`` counts only tokens that
+    are really clipped (the rebuilt form rounds, and counted up to a third more tokens in
+    float32). This is the same value as verl's ``clip_by_value(V, V^{old}-c, V^{old}+c)``.
 
     ``returns`` are the regression targets (Monte Carlo returns, :math:`\lambda`-returns,
     or GAE advantages plus old values; for SAO the token-wise targets of §20.4), detached
@@ -79,7 +84,12 @@ def value_loss(
         if old_values is None:
             raise ValueError("old_values: required when clip_range is given")
         vo = _checks.per_token("old_values", _checks.as_tensor("old_values", old_values).detach(), shape, mask)
-        v_clip = vo + torch.clamp(v - vo, -c, c)
+        # Select, do not rebuild: inside the range V^clip is V itself (bit for bit), so the
+        # clipped error equals the unclipped one there and no in-range token counts as clipped.
+        # (vo + clamp(v - vo, -c, c) rounds to a value that differs from v in the last bit.)
+        delta = (v - vo).detach()
+        above, below = delta > c, delta < -c
+        v_clip = torch.where(above, vo + c, torch.where(below, vo - c, v))
         term_clip = 0.5 * (v_clip - r).square()
         clipped_more = (term_clip.detach() > term.detach()) & mask
         term = torch.maximum(term, term_clip)

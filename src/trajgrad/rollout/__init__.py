@@ -1,13 +1,20 @@
-"""Rollouts: trajectories as sampled, the in-process sampler, models, and collation.
+"""Rollouts: trajectories as sampled, generation, the episode loop, backends, and collation.
 
 * :mod:`~trajgrad.rollout.trajectory`: :class:`Turn`, :class:`Trajectory` (token views
   aligned with the targets, §4) and the durable JSONL :class:`TrajectoryLog`.
-* :mod:`~trajgrad.rollout.sampler`: :class:`HFSampler`, multi-turn batched sampling that
-  records the exact behaviour log-probs and policy versions (§7, §16, §19).
+* :mod:`~trajgrad.rollout.generation`: :func:`sample_actions` (token generation with the
+  exact behaviour log-probs, KV cache) and :class:`HFBackend`, the in-process action backend.
+* :mod:`~trajgrad.rollout.episodes`: :class:`EpisodeRunner`, the multi-turn episode loop
+  (environment steps, observation tokens, compaction, policy versions; §16, §19) over an
+  action backend.
+* :mod:`~trajgrad.rollout.openai_backend`: :class:`OpenAIBackend` (an OpenAI-compatible
+  server as action backend) and :class:`OpenAISampler`.
+* :mod:`~trajgrad.rollout.sampler`: :class:`HFSampler` = ``EpisodeRunner(HFBackend(...))``.
 * :mod:`~trajgrad.rollout.collate`: :func:`collate` -> :class:`RolloutBatch`.
 * :mod:`~trajgrad.rollout.chat`: ChatML prompt and observation tokens.
-* :mod:`~trajgrad.rollout.models`: :func:`load_smollm2`, :func:`build_tiny_model`,
-  :class:`CharTokenizer`.
+
+Models, tokenizers, the decode step and position ids are in :mod:`trajgrad.model`
+(``trajgrad.rollout.models`` / ``trajgrad.rollout.decode`` re-export them for old imports).
 
 Importing this package does not import ``transformers``; the model helpers import it
 when called.
@@ -18,13 +25,18 @@ from .trajectory import Trajectory, TrajectoryLog, Turn, read_trajectories
 
 _LAZY = {
     "HFSampler": "sampler",
-    "sample_actions": "sampler",
-    "RowKV": "sampler",
+    "sample_actions": "generation",
+    "RowKV": "generation",
+    "HFBackend": "generation",
+    "Action": "generation",
+    "SamplingSettings": "generation",
+    "EpisodeRunner": "episodes",
     "CharTokenizer": "models",
     "build_char_tokenizer": "models",
     "build_tiny_model": "models",
     "load_smollm2": "models",
     "OpenAISampler": "openai_backend",
+    "OpenAIBackend": "openai_backend",
 }
 
 __all__ = [

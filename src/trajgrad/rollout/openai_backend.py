@@ -1,8 +1,10 @@
 r"""Rollouts from an OpenAI-compatible server: ``trajgrad serve``, vLLM or SGLang (§7, §16).
 
-:class:`OpenAISampler` runs the same multi-turn episodes as
-:class:`~trajgrad.rollout.sampler.HFSampler` (it reuses its episode logic), but each action
-is sampled by a server. The trained sequence is assembled token for token:
+:class:`OpenAIBackend` is an action backend of the episode loop
+(:class:`~trajgrad.rollout.episodes.EpisodeRunner`): each action is sampled by a server.
+:class:`OpenAISampler` is that loop composed with this backend; it runs the same
+multi-turn episodes as :class:`~trajgrad.rollout.sampler.HFSampler`. The trained sequence
+is assembled token for token:
 
 * the prompt ids are rendered once from the chat template
   (:func:`~trajgrad.rollout.chat.prompt_ids`) and sent as token ids;
@@ -40,19 +42,20 @@ Greedy decoding (``temperature == 0``) records 0.0, as :class:`HFSampler` does.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .sampler import HFSampler
+from .chat import end_of_turn_id
+from .episodes import EpisodeRunner
+from .generation import Action, SamplingSettings
 
-__all__ = ["OpenAISampler", "SERVERS"]
+__all__ = ["OpenAIBackend", "OpenAISampler", "SERVERS"]
 
 SERVERS = ("trajgrad", "vllm", "sglang")
 _TOKEN_ID_PREFIX = "token_id:"
@@ -60,33 +63,8 @@ _TOKEN_ID_PREFIX = "token_id:"
 _POSITIVE_SLACK = 1e-5
 
 
-class _ServedModel(torch.nn.Module):
-    """Stand-in for the model object :class:`HFSampler` expects: no parameters, a name and
-    the context length, so that the episode logic runs unchanged."""
-
-    def __init__(self, name: str, max_len: Optional[int]):
-        super().__init__()
-        self.config = SimpleNamespace(_name_or_path=name, max_position_embeddings=max_len)
-
-
-def _unwrap(model):
-    while isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-        model = model.module
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        model = model._orig_mod
-    return model
-
-
-def _is_peft(model) -> bool:
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
-class OpenAISampler(HFSampler):
-    r"""Multi-turn sampler whose actions come from an OpenAI-compatible server.
+class OpenAIBackend:
+    r"""Action backend whose actions come from an OpenAI-compatible server.
 
     Args:
       base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is
@@ -95,42 +73,29 @@ class OpenAISampler(HFSampler):
       model_name: the served model id sent as ``model`` (vLLM: the base model name until
         :meth:`sync_weights` loads an adapter).
       temperature, top_k, top_p, max_new_tokens: the sampling distribution and action
-        length, as in :class:`HFSampler` (``top_k=None`` / ``top_p=None``: off).
-      policy_version: the version recorded until the server reports another (§16).
+        length, as in :class:`~trajgrad.rollout.sampler.HFSampler` (``top_k=None`` /
+        ``top_p=None``: off).
       server: ``"trajgrad"``, ``"vllm"`` or ``"sglang"`` (the request/response dialect).
       timeout: seconds per HTTP request.
       max_concurrency: most requests in flight at once (vLLM / SGLang: one per episode).
       max_batch_size: ``trajgrad`` only: most episodes per request (``None``: all).
-      max_context_tokens: episode length limit (default: ``/v1/models``' ``max_model_len``
-        for trajgrad and vLLM servers, else unlimited).
+      max_context_tokens: the context length; ``None``: ``/v1/models``' ``max_model_len``
+        for trajgrad and vLLM servers, else unlimited.
       lora_name: vLLM adapter names are ``f"{lora_name}-v{version}"``.
-      progress: progress bar over episodes.
       client: an ``httpx.Client`` to use (e.g. with a custom transport); default: a new one.
 
     Raises ValueError naming the argument for bad settings, and naming ``server`` when a
     response lacks token ids or log-probs.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        tokenizer,
-        *,
-        model_name: str,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-        max_new_tokens: int = 64,
-        policy_version: int = 0,
-        server: str = "trajgrad",
-        timeout: float = 120.0,
-        max_concurrency: int = 64,
-        max_batch_size: Optional[int] = None,
-        max_context_tokens: Optional[int] = None,
-        lora_name: str = "trajgrad-policy",
-        progress: bool = False,
-        client=None,
-    ):
+    reuse_kv = False  # the server keeps (or recomputes) its own cache
+    device = torch.device("cpu")  # where the generator that derives request seeds lives
+
+    def __init__(self, base_url: str, tokenizer, *, model_name: str, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, max_new_tokens: int = 64,
+                 server: str = "trajgrad", timeout: float = 120.0, max_concurrency: int = 64,
+                 max_batch_size: Optional[int] = None, max_context_tokens: Optional[int] = None,
+                 lora_name: str = "trajgrad-policy", client=None):
         if server not in SERVERS:
             raise ValueError(f"server: expected one of {SERVERS}, got {server!r}")
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
@@ -143,18 +108,18 @@ class OpenAISampler(HFSampler):
             raise ValueError(f"max_concurrency: expected a positive integer, got {max_concurrency!r}")
         if not isinstance(lora_name, str) or not lora_name:
             raise ValueError(f"lora_name: expected a non-empty string, got {lora_name!r}")
-        super().__init__(
-            _ServedModel(model_name, max_context_tokens), tokenizer, temperature=temperature, top_k=top_k,
-            top_p=top_p, max_new_tokens=max_new_tokens, policy_version=policy_version, progress=progress,
-            max_batch_size=max_batch_size, max_context_tokens=max_context_tokens,
-            reuse_kv=False,  # the server keeps (or recomputes) its own cache
-        )
-        if server == "sglang" and (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0)):
-            which = "top_k" if self.top_k is not None else "top_p"
+        self.settings = SamplingSettings.create(temperature, top_k, top_p, max_new_tokens)
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or int(max_batch_size) < 1):
+            raise ValueError(f"max_batch_size: must be a positive integer or None, got {max_batch_size!r}")
+        self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
+        s = self.settings
+        if server == "sglang" and (s.top_k is not None or (s.top_p is not None and s.top_p < 1.0)):
+            which = "top_k" if s.top_k is not None else "top_p"
             raise ValueError(
                 f"{which}: SGLang reports log-probs before top-k/top-p filtering, so they would not be the "
                 f"behaviour log-probs of the truncated distribution (§7); use temperature only with server='sglang'"
             )
+        self.eos_id = end_of_turn_id(tokenizer)
         url = base_url.rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
@@ -165,10 +130,9 @@ class OpenAISampler(HFSampler):
         self.lora_name = lora_name
         self.timeout = float(timeout)
         self.max_concurrency = max_concurrency
+        self._context_limit = None if max_context_tokens is None else int(max_context_tokens)
         self._context_known = max_context_tokens is not None
-        self._loaded_adapter: Optional[str] = None
-        self._seeded = False
-        self._turn_versions: Iterator[int] = iter(())
+        self.loaded_adapter: Optional[str] = None  # vLLM: the adapter the last sync loaded
         if client is None:
             import httpx
 
@@ -186,21 +150,20 @@ class OpenAISampler(HFSampler):
         if self._own_client:
             self.client.close()
 
-    def __enter__(self) -> "OpenAISampler":
-        return self
+    # ------------------------------------------------------------------ backend protocol
+    def context_limit(self) -> Optional[int]:
+        """The context length given, else the server's ``max_model_len`` (asked once)."""
+        self._ensure_context_limit()
+        return self._context_limit
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def describe(self) -> Dict[str, Any]:
+        """What a trajectory records about the backend in ``Trajectory.sampling``."""
+        return {"model": self.request_model, "backend": "openai", "server": self.server, "base_url": self.base_url,
+                "logprobs": _LOGPROB_SOURCE[self.server]}
 
-    # ------------------------------------------------------------------ settings
-    def sampling_params(self) -> Dict[str, Any]:
-        """What every trajectory records in ``Trajectory.sampling``."""
-        params = super().sampling_params()
-        params.update(
-            model=self.request_model, backend="openai", server=self.server, base_url=self.base_url,
-            logprobs=_LOGPROB_SOURCE[self.server],
-        )
-        return params
+    def eval_mode(self):
+        """Nothing to switch: the server holds the model."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ HTTP
     def _url(self, path: str) -> str:
@@ -217,10 +180,10 @@ class OpenAISampler(HFSampler):
             where = f"the {self.server} server at {self._url(path)}"
             raise ConnectionError(f"server: cannot reach {where} ({exc})") from exc
 
-    def _post(self, path: str, body: Dict[str, Any]) -> Any:
+    def post(self, path: str, body: Dict[str, Any]) -> Any:
         return self._json(self._send("POST", path, body), path)
 
-    def _get(self, path: str) -> Any:
+    def get(self, path: str) -> Any:
         return self._json(self._send("GET", path), path)
 
     def _json(self, resp, path: str) -> Any:
@@ -250,53 +213,40 @@ class OpenAISampler(HFSampler):
         if self.server == "sglang":
             return
         try:
-            data = self._get("/v1/models").get("data") or []
+            data = self.get("/v1/models").get("data") or []
         except (ValueError, ConnectionError, AttributeError):
             return
         for card in data:
             if isinstance(card, dict) and card.get("max_model_len"):
-                self.max_context_tokens = int(card["max_model_len"])
-                self.model.config.max_position_embeddings = self.max_context_tokens
+                self._context_limit = int(card["max_model_len"])
                 return
 
     # ------------------------------------------------------------------ sampling
-    def rollout(self, task_source_or_env_factory, tasks, *, group_size: int = 1, seed: Optional[int] = None):
-        """As :meth:`HFSampler.rollout`; the actions are sampled by the server.
-
-        With ``seed``, every request carries a seed derived from it (per episode for vLLM;
-        per request for trajgrad, whose requests hold a whole batch): same seed, same
-        server weights, same batch: same trajectories. SGLang requests carry no seed.
-        """
-        self._ensure_context_limit()
-        self._seeded = seed is not None
-        try:
-            return super().rollout(task_source_or_env_factory, tasks, group_size=group_size, seed=seed)
-        finally:
-            self._turn_versions = iter(())
-
-    def _seeds(self, n: int, generator) -> List[Optional[int]]:
-        if not self._seeded:
+    def _seeds(self, n: int, generator, seeded: bool) -> List[Optional[int]]:
+        if not seeded:
             return [None] * n
         return [int(x) for x in torch.randint(0, 2**62, (n,), generator=generator).tolist()]
 
-    def _generate(self, seqs: List[List[int]], generator) -> List[Tuple[List[int], List[float], bool]]:
+    def generate(self, seqs: List[List[int]], generator: torch.Generator, *, seeded: bool = True,
+                 past=None, keep_kv: bool = False) -> Tuple[List[Action], List[None]]:
+        """One :class:`~trajgrad.rollout.generation.Action` per row, sampled by the server.
+
+        With ``seeded``, every request carries a seed drawn from ``generator`` (per episode
+        for vLLM; per request for trajgrad, whose requests hold a whole batch): same seed,
+        same server weights, same batch: same actions. SGLang requests carry no seed.
+        Nothing is cached here (``past`` / ``keep_kv`` are ignored).
+        """
         if self.server == "trajgrad":
             step = self.max_batch_size or len(seqs)
             chunks = [seqs[i:i + step] for i in range(0, len(seqs), step)]
-            seeds = self._seeds(len(chunks), generator)
+            seeds = self._seeds(len(chunks), generator, seeded)
             parts = list(self._pool.map(self._request_trajgrad, chunks, seeds))
             rows = [row for part in parts for row in part]
         else:
-            seeds = self._seeds(len(seqs), generator)
+            seeds = self._seeds(len(seqs), generator, seeded)
             fn = self._request_vllm if self.server == "vllm" else self._request_sglang
             rows = list(self._pool.map(fn, seqs, seeds))
-        # HFSampler._advance is called once per row, in order: hand it each row's version
-        self._turn_versions = iter([r[3] for r in rows])
-        return [(r[0], r[1], r[2]) for r in rows]
-
-    def _advance(self, ep, action, logp, cut, version, gen_s, sampling) -> None:
-        served = next(self._turn_versions, None)
-        super()._advance(ep, action, logp, cut, version if served is None else served, gen_s, sampling)
+        return rows, [None] * len(rows)
 
     def _finish(self, ids: List[int], logps: List[float], what: str) -> Tuple[List[int], List[float], bool]:
         """Validate one served action; greedy records 0.0 (a deterministic policy)."""
@@ -316,32 +266,33 @@ class OpenAISampler(HFSampler):
             if x > _POSITIVE_SLACK:
                 raise ValueError(f"server: the {self.server} server returned a positive log-prob {x} ({what})")
             out.append(min(x, 0.0))
-        if self.greedy:
+        if self.settings.greedy:
             out = [0.0] * len(ids)
-        if len(ids) > self.max_new_tokens:
+        if len(ids) > self.settings.max_new_tokens:
             raise ValueError(
                 f"server: the {self.server} server returned {len(ids)} tokens, more than max_new_tokens="
-                f"{self.max_new_tokens} ({what})"
+                f"{self.settings.max_new_tokens} ({what})"
             )
         cut = ids[-1] != self.eos_id
         return list(ids), out, cut
 
     def _common(self) -> Dict[str, Any]:
+        s = self.settings
         return {
-            "temperature": self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
+            "temperature": s.temperature,
+            "top_p": 1.0 if s.top_p is None else s.top_p,
+            "top_k": -1 if s.top_k is None else s.top_k,
         }
 
     def _request_trajgrad(self, seqs: List[List[int]], seed: Optional[int]):
         body = {
-            "model": self.request_model, "prompt": [list(s) for s in seqs], "max_tokens": self.max_new_tokens,
+            "model": self.request_model, "prompt": [list(s) for s in seqs], "max_tokens": self.settings.max_new_tokens,
             "n": 1, "logprobs": 0, "stop_token_ids": [self.eos_id], "return_tokens_as_token_ids": True,
             **self._common(),
         }
         if seed is not None:
             body["seed"] = seed
-        data = self._post("/v1/completions", body)
+        data = self.post("/v1/completions", body)
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or len(choices) != len(seqs):
             raise ValueError(f"server: expected {len(seqs)} choices from the trajgrad server, got {data!r:.300}")
@@ -354,19 +305,19 @@ class OpenAISampler(HFSampler):
                 raise ValueError("server: the trajgrad server's choice lacks token_ids or logprobs.token_logprobs")
             version = c.get("policy_version", data.get("policy_version"))
             action, logp, cut = self._finish(list(ids), list(lp), f"choice {c.get('index')}")
-            out.append((action, logp, cut, int(version) if version is not None else self.policy_version))
+            out.append(Action(action, logp, cut, int(version) if version is not None else None))
         return out
 
     def _request_vllm(self, seq: List[int], seed: Optional[int]):
         body = {
-            "model": self.request_model, "prompt": list(seq), "max_tokens": self.max_new_tokens, "n": 1,
+            "model": self.request_model, "prompt": list(seq), "max_tokens": self.settings.max_new_tokens, "n": 1,
             "logprobs": 0, "return_tokens_as_token_ids": True, "stop_token_ids": [self.eos_id],
             "skip_special_tokens": False, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "repetition_penalty": 1.0, **self._common(),
         }
         if seed is not None:
             body["seed"] = seed
-        data = self._post("/v1/completions", body)
+        data = self.post("/v1/completions", body)
         try:
             choice = data["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -388,16 +339,16 @@ class OpenAISampler(HFSampler):
         if plain is not None and list(plain) != ids:
             raise ValueError("server: the vllm server's token_ids disagree with its logprobs.tokens")
         action, logp, cut = self._finish(ids, list(lp["token_logprobs"]), "vllm choice")
-        return action, logp, cut, self.policy_version
+        return Action(action, logp, cut)
 
     def _request_sglang(self, seq: List[int], seed: Optional[int]):
         sp = {
-            "max_new_tokens": self.max_new_tokens, "stop_token_ids": [self.eos_id], "min_p": 0.0,
+            "max_new_tokens": self.settings.max_new_tokens, "stop_token_ids": [self.eos_id], "min_p": 0.0,
             "frequency_penalty": 0.0, "presence_penalty": 0.0, "skip_special_tokens": False, "no_stop_trim": True,
             **self._common(),
         }
         body = {"input_ids": list(seq), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
-        data = self._post("/generate", body)
+        data = self.post("/generate", body)
         if isinstance(data, list):
             data = data[0] if data else {}
         meta = data.get("meta_info") if isinstance(data, dict) else None
@@ -415,7 +366,7 @@ class OpenAISampler(HFSampler):
         plain = data.get("output_ids")
         if plain is not None and list(plain)[-len(ids):] != ids:
             raise ValueError("server: the sglang server's output_ids disagree with its output_token_logprobs")
-        version = self.policy_version
+        version = None
         wv = (meta or {}).get("weight_version")
         if wv is not None:
             try:
@@ -423,79 +374,18 @@ class OpenAISampler(HFSampler):
             except (TypeError, ValueError):
                 pass
         action, logp, cut = self._finish(ids, lps, "sglang output")
-        return action, logp, cut, version
+        return Action(action, logp, cut, version)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
-        """Save ``model``'s trainable weights, load them into the server, record ``version``.
+        """Save ``model``'s trainable weights and load them into the server
+        (:func:`~trajgrad.rollout.weight_sync.sync_server_weights`). Returns the directory
+        written; the caller records ``version`` (:meth:`OpenAISampler.sync_weights` does)."""
+        from .weight_sync import sync_server_weights
 
-        * LoRA (peft) models: the adapter, with ``model.save_pretrained`` (
-          ``adapter_config.json`` + ``adapter_model.safetensors``).
-        * Other models: ``trainable.safetensors``, the parameters with ``requires_grad``
-          by ``named_parameters()`` name (trajgrad server); the full Hugging Face
-          checkpoint (``save_pretrained``) for SGLang.
+        return sync_server_weights(self, model, version, save_dir)
 
-        Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM (LoRA only):
-        ``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}``
-        (the server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``),
-        later requests name that adapter and the previous one is unloaded; SGLang:
-        ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (a LoRA model is
-        merged into a copy of its base first). Turns sampled afterwards record ``version``.
-
-        Returns the directory written (``save_dir/v{version:06d}``). The server reads it, so
-        ``save_dir`` must be on a file system the server can see.
-        """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version: must be a non-negative integer, got {version!r}")
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        model = _unwrap(model)
-        out = Path(os.fspath(save_dir)).expanduser().resolve() / f"v{version:06d}"
-        out.mkdir(parents=True, exist_ok=True)
-        peft = _is_peft(model)
-        if self.server == "trajgrad":
-            if peft:
-                model.save_pretrained(str(out))
-            else:
-                _save_trainable(model, out / "trainable.safetensors", version)
-            data = self._post("/reload", {"path": str(out), "version": version})
-            served = data.get("policy_version") if isinstance(data, dict) else None
-            if served != version:
-                raise ValueError(
-                    f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}"
-                )
-        elif self.server == "vllm":
-            if not peft:
-                raise ValueError(
-                    "model: vLLM loads new weights at run time only as LoRA adapters (/v1/load_lora_adapter); "
-                    "train with LoRA, or restart vLLM on the saved checkpoint"
-                )
-            model.save_pretrained(str(out))
-            name = f"{self.lora_name}-v{version}"
-            self._post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
-            previous, self._loaded_adapter = self._loaded_adapter, name
-            self.request_model = name
-            if previous is not None and previous != name:
-                try:  # best effort: an unloaded old adapter only costs server memory
-                    self._post_text("/v1/unload_lora_adapter", {"lora_name": previous})
-                except (ValueError, ConnectionError):
-                    pass
-        else:  # sglang
-            if peft:
-                import copy
-
-                merged = copy.deepcopy(model).merge_and_unload()
-                merged.save_pretrained(str(out), safe_serialization=True)
-                del merged
-            else:
-                model.save_pretrained(str(out), safe_serialization=True)
-            data = self._post("/update_weights_from_disk", {"model_path": str(out), "weight_version": str(version)})
-            if isinstance(data, dict) and data.get("success") is False:
-                raise ValueError(f"server: the sglang server refused the weights: {data.get('message')}")
-        self.set_policy_version(version)
-        return out
-
-    def _post_text(self, path: str, body: Dict[str, Any]) -> Any:
+    def post_text(self, path: str, body: Dict[str, Any]) -> Any:
         """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
         resp = self._send("POST", path, body)
         if resp.status_code >= 400:
@@ -503,20 +393,60 @@ class OpenAISampler(HFSampler):
         return resp.text
 
 
+
+class OpenAISampler(EpisodeRunner):
+    r"""Multi-turn sampler whose actions come from an OpenAI-compatible server.
+
+    ``OpenAISampler(base_url, tokenizer, model_name=..., ...)`` is
+    ``EpisodeRunner(OpenAIBackend(base_url, tokenizer, model_name=..., ...), tokenizer, ...)``
+    with :meth:`sync_weights`.
+
+    Args:
+      base_url, tokenizer, model_name, temperature, top_k, top_p, max_new_tokens, server,
+        timeout, max_concurrency, max_batch_size, max_context_tokens, lora_name, client:
+        as in :class:`OpenAIBackend`.
+      policy_version: the version recorded until the server reports another (§16).
+      progress: progress bar over episodes.
+    """
+
+    def __init__(self, base_url: str, tokenizer, *, model_name: str, policy_version: int = 0,
+                 progress: bool = False, **backend_options):
+        backend = OpenAIBackend(base_url, tokenizer, model_name=model_name, **backend_options)
+        super().__init__(backend, tokenizer, policy_version=policy_version, progress=progress)
+
+    # the backend's connection, for callers that read them
+    @property
+    def server(self) -> str:
+        return self.backend.server
+
+    @property
+    def base_url(self) -> str:
+        return self.backend.base_url
+
+    @property
+    def request_model(self) -> str:
+        return self.backend.request_model
+
+    def close(self) -> None:
+        """Release the HTTP client (if the backend created it) and the worker threads."""
+        self.backend.close()
+
+    def __enter__(self) -> "OpenAISampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
+        """:meth:`OpenAIBackend.sync_weights`, then record ``version`` on the turns sampled
+        afterwards. Returns the directory written."""
+        out = self.backend.sync_weights(model, version, save_dir)
+        self.set_policy_version(version)
+        return out
+
+
 _LOGPROB_SOURCE = {
     "trajgrad": "recorded while sampling (processed distribution)",
     "vllm": "vLLM logprobs (exact only with --logprobs-mode processed_logprobs)",
     "sglang": "SGLang return_logprob (after temperature; no top-k/top-p)",
 }
-
-
-def _save_trainable(model: torch.nn.Module, path: Path, version: int) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            tensors[name] = p.detach().to("cpu").contiguous().clone()
-    if not tensors:
-        raise ValueError("model: has no parameter with requires_grad; nothing to sync")
-    save_file(tensors, str(path), metadata={"format": "pt", "content": "trainable_parameters", "version": str(version)})

@@ -1,24 +1,31 @@
 """Training configuration: YAML validated with pydantic, presets, ``--set key=value`` overrides.
 
 An unknown key or a bad value raises ``ValueError`` naming the dotted key
-(``train.stpes: unknown key``). The recipe section names one of
-``trajgrad.objective.RECIPES``; ``recipe.overrides`` changes any of its fields, and
-``trajgrad explain CONFIG.yaml`` prints the resulting estimator.
+(``train.stpes: unknown key``), every problem of a config on one line. Types are strict:
+``true`` is not an integer, ``1.5`` is not an integer, numbers must be finite, and a YAML
+file with a key given twice is refused. Beyond the schema, :func:`build_config` checks the
+recipe overrides, the task's options and size, and the tiny models' shapes
+(:mod:`trajgrad.train.config_checks`) before any model is built; :func:`load_config`
+also refuses keys the user set that have no effect in the chosen mode. The recipe
+section names one of ``trajgrad.objective.RECIPES``; ``recipe.overrides`` changes any of
+its fields, and ``trajgrad explain CONFIG.yaml`` prints the resulting estimator.
 """
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing_extensions import Annotated
 
 from ..objective import Objective, get_recipe
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class LoraConfig(_Strict):
@@ -79,7 +86,8 @@ class OptimConfig(_Strict):
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: Optional[float] = Field(1.0, gt=0)
-    betas: List[float] = [0.9, 0.999]
+    betas: List[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2,
+                                                            description="Adam (beta1, beta2), each in [0, 1)")
 
 
 class LoopConfig(_Strict):
@@ -158,7 +166,7 @@ class LogConfig(_Strict):
 
 
 class Config(_Strict):
-    name: str = "run"
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="names the run directory")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -175,12 +183,6 @@ class Config(_Strict):
     asynchronous: AsyncConfig = AsyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
-
-    @field_validator("recipe")
-    @classmethod
-    def _recipe_known(cls, v: RecipeConfig) -> RecipeConfig:
-        get_recipe(v.name, **v.overrides)  # raises ValueError naming the field
-        return v
 
     def objective(self) -> Objective:
         """The recipe with the config's overrides (group size from ``train.group_size``)."""
@@ -317,15 +319,80 @@ def _format_error(exc: ValidationError) -> str:
         if err.get("type") == "extra_forbidden":
             msgs.append(f"{loc}: unknown key")
         else:
-            msgs.append(f"{loc}: {err.get('msg')}")
-    return "; ".join(msgs)
+            msg = str(err.get("msg", "")).removeprefix("Value error, ").rstrip(".")
+            given = repr(err.get("input"))
+            msgs.append(f"{loc}: {msg} (got {given if len(given) <= 60 else given[:57] + '...'})")
+    return " ".join("; ".join(dict.fromkeys(msgs)).split())
 
 
 def build_config(data: Dict[str, Any]) -> Config:
+    """Validate ``data`` (schema, then :func:`trajgrad.train.config_checks.check_config`)."""
+    from .config_checks import check_config
+
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ValueError(_format_error(exc)) from None
+    check_config(cfg)
+    return cfg
+
+
+def _check_unique_keys(node, path: str, what: str) -> None:
+    """Refuse a YAML mapping that gives a key twice (``yaml.safe_load`` keeps the last silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{path}.{key}" if path else str(key)
+            if key is not None:
+                if key in seen:
+                    raise ValueError(f"{dotted}: given twice in {what} (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            _check_unique_keys(value_node, dotted, what)
+    elif isinstance(node, yaml.SequenceNode):
+        for k, item in enumerate(node.value):
+            _check_unique_keys(item, f"{path}.{k}" if path else str(k), what)
+
+
+def parse_yaml(text: str, *, what: str) -> Any:
+    """YAML ``text`` (safe types only) or ValueError naming ``what``; a key given twice is refused,
+    naming its dotted path."""
+    try:
+        _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), "", what)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(" ".join(f"{what}: invalid YAML{where}: {problem}".split())) from None
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+def parse_overrides(items) -> Dict[str, Any]:
+    """``["train.steps=3", ...]`` -> ``{"train.steps": 3}``; values are YAML.
+
+    Raises ValueError naming the key for a missing ``=``, a malformed dotted key, a key given
+    twice, or a value that is not valid YAML.
+    """
+    out: Dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set: expected key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if not _DOTTED.match(key):
+            raise ValueError(f"--set: {key!r} is not a dotted key such as train.steps")
+        if key in out:
+            raise ValueError(f"{key}: given twice with --set")
+        clash = [k for k in out if k.startswith(key + ".") or key.startswith(k + ".")]
+        if clash:
+            raise ValueError(f"{key}: overlaps {clash[0]} (both given with --set)")
+        out[key] = parse_yaml(value, what=key)
+    return out
 
 
 def load_config(
@@ -334,28 +401,42 @@ def load_config(
     preset: Optional[str] = None,
     overrides: Optional[Dict[str, Any]] = None,
 ) -> Config:
-    """Preset (``default`` when neither a path nor a preset is given) ← YAML file ← overrides."""
+    """Preset (``default`` when neither a path nor a preset is given) ← YAML file ← overrides.
+
+    Every key set by the YAML file or the overrides is also checked for effect
+    (:func:`trajgrad.train.config_checks.check_effective`).
+    """
+    from .config_checks import check_effective, user_keys
+
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)}")
     data: Dict[str, Any] = {}
     if preset is not None or path is None:
         data = copy.deepcopy(PRESETS[preset or "default"])
     named = False  # whether the YAML file or the overrides set the run's name
+    keys = []
     if path is not None:
         p = Path(path)
         if not p.exists():
             raise ValueError(f"config: no such file {str(p)!r}")
+        if p.is_dir():
+            raise ValueError(f"config: {str(p)!r} is a directory, not a YAML file")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config: invalid YAML in {p}: {exc}") from None
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config: cannot read {str(p)!r} ({exc})") from None
+        loaded = parse_yaml(text, what=f"config {p}") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config: top level of {p} must be a mapping")
         if "preset" in loaded:
             base = loaded.pop("preset")
-            if base not in PRESETS:
+            if not isinstance(base, str) or base not in PRESETS:
                 raise ValueError(f"preset: unknown {base!r}; known: {', '.join(PRESETS)}")
             data = _deep_update(copy.deepcopy(PRESETS[base]), data)
+        bad = [k for k, v in loaded.items() if k != "name" and not isinstance(v, dict)]
+        if bad:
+            raise ValueError(f"{bad[0]}: expected a mapping of keys (a section), got {loaded[bad[0]]!r}")
+        keys += user_keys(loaded)
         named = "name" in loaded
         recipe_before = (data.get("recipe") or {}).get("name")
         data = _deep_update(data, loaded)
@@ -366,9 +447,12 @@ def load_config(
     recipe_before = (data.get("recipe") or {}).get("name")
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
+        keys += user_keys(value, key)
     if not named and "name" not in (overrides or {}):
         data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
-    return build_config(data)
+    cfg = build_config(data)
+    check_effective(cfg, keys)
+    return cfg
 
 
 def _renamed(name, recipe_before, recipe_after):

@@ -1,44 +1,47 @@
-"""Demonstrations as token-exact trajectories (SFT warm start, DPO's chosen responses).
+"""Demonstration data of the trainer: SFT batches and DPO's offline preference pairs.
 
-A demonstration is assembled exactly like a sampled episode (``rollout.chat``): the
-environment's initial conversation rendered with the chat template, each assistant turn
-as its tokens plus ``<|im_end|>``, and each following user turn (a tool result) as
-observation tokens with ``action_mask = 0``. Demonstration tokens were not sampled by any
-policy: their recorded behaviour log-prob is 0.0 and ``metadata["demonstration"]`` is True,
-so they must never feed an importance ratio.
+A demonstration is a token-exact trajectory built by
+:func:`trajgrad.rollout.chat.demonstration_trajectory` (the environment's initial
+conversation, each assistant message as action tokens, each following tool result as
+observation tokens). Its tokens were not sampled by any policy (policy version -1, behaviour
+log-prob placeholders), so it feeds likelihood terms only (SFT, DPO), never a ratio.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
-from ..rollout.chat import encode, end_of_turn_id, observation_ids, prompt_ids
-from ..rollout.trajectory import Trajectory, Turn
+from ..rollout import RolloutBatch, Trajectory, collate
+from ..rollout.chat import demonstration_trajectory
+
+Pair = Tuple[Trajectory, Trajectory]
 
 
-def demonstration_trajectory(tokenizer, source, task) -> Trajectory:
-    env = source.make_env()
-    messages = list(env.reset(task))
-    demo = list(source.demonstration(task))
-    if not demo or demo[0].get("role") != "assistant":
-        raise ValueError(f"task: the demonstration of {task.id!r} must start with an assistant turn")
-    eos = end_of_turn_id(tokenizer)
-    turns: List[Turn] = []
-    i = 0
-    while i < len(demo):
-        msg = demo[i]
-        if msg.get("role") != "assistant":
-            raise ValueError(f"task: demonstration of {task.id!r} has two non-assistant turns in a row at {i}")
-        action = encode(tokenizer, msg["content"]) + [eos]
-        j = i + 1
-        follow = []
-        while j < len(demo) and demo[j].get("role") != "assistant":
-            follow.append(demo[j])
-            j += 1
-        obs = observation_ids(tokenizer, follow, add_generation_prompt=j < len(demo)) if j < len(demo) else []
-        turns.append(Turn(action_ids=action, observation_ids=obs, behaviour_logp=[0.0] * len(action),
-                          policy_version=0, reward=0.0, action_text=msg["content"]))
-        i = j
-    turns[-1].reward = 1.0
-    return Trajectory(task_id=task.id, episode_id=f"demo-{task.id}", prompt_ids=prompt_ids(tokenizer, messages),
-                      turns=turns, split=task.split, terminated=True, success=True,
-                      metadata={"demonstration": True})
+def demo_batch(tokenizer, source, tasks: Sequence, pad_id: int) -> RolloutBatch:
+    """The collated demonstrations of ``tasks``."""
+    return collate([demonstration_trajectory(tokenizer, source, t) for t in tasks], pad_id)
+
+
+def build_dpo_pairs(tokenizer, source, tasks: Sequence, samples: Sequence[Trajectory]) -> List[Pair]:
+    """Offline pairs: a task's demonstration (chosen) against its first failed sample (rejected).
+
+    Tasks without a failed sample give no pair; raises if no task does.
+    """
+    by_task: Dict[str, List[Trajectory]] = {}
+    for t in samples:
+        by_task.setdefault(t.task_id, []).append(t)
+    pairs = []
+    for task in tasks:
+        failed = [t for t in by_task.get(task.id, []) if not t.success]
+        if failed:
+            pairs.append((demonstration_trajectory(tokenizer, source, task), failed[0]))
+    if not pairs:
+        raise ValueError("dpo.pairs: the initial policy solved every task; no rejected responses to pair with")
+    return pairs
+
+
+def pairs_for_step(pairs: Sequence[Pair], cursor: int, per_step: int) -> List[Pair]:
+    """The step's pairs: ``min(per_step, len(pairs))`` consecutive pairs from ``cursor * n``
+    (cyclically), the same on every rank before sharding."""
+    n = min(per_step, len(pairs))
+    start = (cursor * n) % len(pairs)
+    return [pairs[(start + i) % len(pairs)] for i in range(n)]

@@ -1,86 +1,9 @@
-"""Building the policy (embedded SmolLM2 or a tiny random model), LoRA, and the reference.
+"""Former location of the policy builder and the KL reference snapshot; they live in
+:mod:`trajgrad.model.build` and :mod:`trajgrad.weights.reference` now.
 
-The reference policy pi_ref of a KL term (§9) is the policy as it stands when RL starts,
-that is after the SFT warm start when there is one. :class:`ReferenceWeights` keeps a frozen
-copy of the policy's trainable parameters at that moment (with LoRA: only the adapters; the
-frozen base weights are shared) and swaps it in while the reference log-probs are computed.
+Kept as re-exports for old imports (remove once nothing imports ``trajgrad.train.models``).
 """
-from __future__ import annotations
+from ..model.build import build_policy_model
+from ..weights.reference import ReferenceWeights
 
-import contextlib
-from typing import Iterator, List, Tuple
-
-import torch
-
-from .config import ModelConfig
-
-
-def build_policy_model(cfg: ModelConfig) -> Tuple[torch.nn.Module, object]:
-    """(model, tokenizer) ready for training: LoRA applied when configured."""
-    from ..rollout.models import build_char_tokenizer, build_tiny_model, load_smollm2, preferred_dtype
-
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype) or preferred_dtype()
-    if cfg.name == "smollm2":
-        model, tok = load_smollm2(dtype=dtype)
-    else:
-        tok = build_char_tokenizer()
-        t = cfg.tiny
-        model = build_tiny_model(tok, hidden_size=t.hidden_size, layers=t.layers, heads=t.heads, seed=t.seed, dtype=dtype)
-    if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        for p in model.parameters():
-            p.requires_grad_(False)
-        lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                          target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, lcfg)
-    if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable()
-    model.train()
-    return model, tok
-
-
-class ReferenceWeights(torch.nn.Module):
-    """pi_ref: a frozen snapshot of ``model``'s trainable parameters (the KL reference, §9).
-
-    ``ReferenceWeights(model)`` copies every parameter with ``requires_grad`` (all weights
-    of a fully fine-tuned model; only the adapters of a LoRA model). ``with ref.applied(model):``
-    points those parameters at the snapshot, so the model computes pi_ref, and restores them
-    on exit. Nothing is copied on entry or exit (the parameters' ``.data`` are swapped), so use
-    it under ``torch.no_grad()`` and with no autograd graph of the model pending.
-
-    The snapshot is a module whose parameters are the saved weights, so a checkpoint keeps
-    it and a resumed run computes the same pi_ref; the snapshot is never given to an optimizer.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("model: has no trainable parameters to snapshot as the reference")
-        self.names: List[str] = [n for n, _ in named]
-        # requires_grad=True only marks them as the state a checkpoint must keep
-        self.weights = torch.nn.ParameterList([torch.nn.Parameter(p.detach().clone()) for _, p in named])
-
-    def _targets(self, model: torch.nn.Module) -> List[torch.nn.Parameter]:
-        params = dict(model.named_parameters())
-        out = []
-        for name, ref in zip(self.names, self.weights):
-            p = params.get(name)
-            if p is None or p.shape != ref.shape:
-                raise ValueError(f"model: parameter {name!r} does not match the reference snapshot")
-            out.append(p)
-        return out
-
-    @contextlib.contextmanager
-    def applied(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """Run ``model`` as pi_ref for the duration of the block."""
-        targets = self._targets(model)
-        saved = [p.data for p in targets]
-        try:
-            for p, ref in zip(targets, self.weights):
-                p.data = ref.data
-            yield model
-        finally:
-            for p, data in zip(targets, saved):
-                p.data = data
+__all__ = ["ReferenceWeights", "build_policy_model"]

@@ -1,17 +1,20 @@
 """``trajgrad train``: build the config, print the exact objective, train, report held-out success."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .config import Config, build_config, load_config
+from .config import Config, load_config
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _console(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 prints
+    if _rank() != 0:  # under torchrun only rank 0 prints
         return
     try:
         from rich.console import Console
@@ -28,36 +31,70 @@ def main(
     overrides: Optional[Dict[str, Any]] = None,
     resume: Optional[Path] = None,
     run_dir: Optional[Path] = None,
+    overwrite: bool = False,
+    allow_config_change: bool = False,
+    checkpoint: Optional[str] = None,
 ) -> int:
-    from ..objective import explain
+    """Validate everything (config, run directory, checkpoint, logs), then train.
 
+    Nothing is created or changed on disk before every check has passed: a new run refuses a
+    non-empty ``run_dir`` unless ``overwrite``; a resume (``resume``: the run directory) refuses
+    a config that differs from the run's unless ``allow_config_change``, and resumes from
+    ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
+    """
+    from ..objective import explain
+    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir
+
+    plan = None
     if resume is not None:
-        resume = Path(resume)
-        saved = resume / "config.json"
-        if not saved.exists():
-            raise ValueError(f"resume: {resume} has no config.json (not a trajgrad run directory)")
-        data = json.loads(saved.read_text())
-        cfg: Config = build_config(data)
-        if config is not None or preset is not None or overrides:
-            raise ValueError("resume: continue a run with its own saved config (drop CONFIG/--preset/--set)")
-        out_dir = resume
+        if overwrite:
+            raise ValueError("overwrite: --overwrite starts a new run; it cannot be combined with --resume")
+        if run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
+            raise ValueError("run_dir: --resume continues the run in its own directory; drop --run-dir")
+        plan = check_resume(resume, config=config, preset=preset, overrides=overrides,
+                            allow_config_change=allow_config_change, checkpoint=checkpoint)
+        cfg: Config = plan.cfg
+        out_dir = Path(resume)
     else:
+        if allow_config_change:
+            raise ValueError("allow_config_change: --allow-config-change only applies with --resume")
+        if checkpoint is not None:
+            raise ValueError("checkpoint: --checkpoint only applies with --resume")
         cfg = load_config(config, preset=preset, overrides=overrides)
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if _rank() == 0:  # under torchrun rank 0 owns the run directory
+            check_new_run_dir(out_dir, overwrite=overwrite)
+    objective_text = explain(cfg.objective())
     from .trainer import Trainer
 
+    # every check passed: from here on the run directory is written
+    new_dir = None
+    if _rank() == 0:
+        if plan is not None:
+            commit_resume(plan)
+        else:
+            new_dir = create_run_dir(out_dir, cfg, overwrite=overwrite)
     _console(f"run directory: {out_dir}")
+    for note in plan.notes if plan is not None else ():
+        _console(note)
     _console("objective optimized by every update of this run:\n")
-    _console(explain(cfg.objective()))
+    _console(objective_text)
     _console("")
-    if cfg.asynchronous.enabled:
-        from .asynchronous import AsyncTrainer
+    try:
+        if cfg.asynchronous.enabled:
+            from .asynchronous import AsyncTrainer
 
-        trainer = AsyncTrainer(cfg, out_dir, resume=resume is not None, console=_console)
-    else:
-        trainer = Trainer(cfg, out_dir, resume=resume is not None, console=_console)
+            trainer = AsyncTrainer(cfg, out_dir, resume=plan is not None, console=_console)
+        else:
+            trainer = Trainer(cfg, out_dir, resume=plan is not None, console=_console)
+    except BaseException:
+        if new_dir is not None:
+            new_dir.abandon()  # a start that fails leaves nothing behind (an overwritten run is put back)
+        raise
+    if new_dir is not None:
+        new_dir.keep()
     t0 = time.perf_counter()
-    summary = trainer.run()
+    trainer.run()
     _console(f"done in {time.perf_counter() - t0:.0f} s; metrics: {out_dir / 'metrics.jsonl'}; "
              f"plots: trajgrad plot {out_dir}")
     return 0

@@ -2,9 +2,11 @@
 
 The sequence ratio s_i is left attached instead of sg[s_i]. Every printed value is identical
 to the correct GSPO-token loss, but the gradient is not: each token also receives
-(1/L_i) of every other token's gradient through s_i. `trajgrad verify` catches it:
+(1/L_i) of every other token's gradient through s_i. Public record: agentscope-ai/Trinity-RFT
+pull request #154 (a GSPO-token loss under review whose s_i(θ) placement had to be settled
+against the paper's Eq. (14)). `trajgrad verify` catches it:
 
-    trajgrad verify examples/wrong_gspo_token.py:gspo_token_loss --as gspo_token
+    trajgrad verify examples/bugs/gspo_token_detach.py:gspo_token_loss --as gspo_token   # fails gradient
 """
 import torch
 

@@ -1,0 +1,43 @@
+r"""The model layer: build or load a causal LM, decode one token, and compute learner log-probs.
+
+A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neither):
+
+* :mod:`~trajgrad.model.build`: :func:`build_model`, :func:`build_policy_model` (from a model
+  config, duck-typed), :func:`model_device`.
+* :mod:`~trajgrad.model.tokenizer`: :class:`CharTokenizer`, :func:`build_char_tokenizer`,
+  :data:`CHATML_TEMPLATE`; :mod:`~trajgrad.model.tiny`: :func:`build_tiny_model`;
+  :mod:`~trajgrad.model.smollm2`: :func:`load_smollm2` (GGUF, de-quantized once and cached);
+  :mod:`~trajgrad.model.dtype`: :func:`preferred_dtype`, :func:`resolve_dtype`.
+* :mod:`~trajgrad.model.decode`: :func:`decode_step`, the lean one-token decode step
+  (:class:`KVBuffers`, :func:`fast_backbone`); :mod:`~trajgrad.model.kv`: the KV-cache
+  argument names and per-row keys/values (:class:`RowKV`).
+* :mod:`~trajgrad.model.learner`: :func:`learner_logprobs`, :func:`head_inputs`,
+  :func:`causal_parts` (:mod:`~trajgrad.model.parts`); :mod:`~trajgrad.model.value_head`: :class:`ValueHead`.
+* :mod:`~trajgrad.model.positions`: :func:`position_ids_from_attention_mask`,
+  :func:`prefix_groups`.
+
+Importing this package does not import ``transformers``; the functions import it when called.
+"""
+import importlib
+
+_LAZY = {
+    "build_model": "build", "build_policy_model": "build", "model_device": "build", "MODEL_NAMES": "build",
+    "CHATML_TEMPLATE": "tokenizer", "CharTokenizer": "tokenizer", "build_char_tokenizer": "tokenizer",
+    "build_tiny_model": "tiny",
+    "load_smollm2": "smollm2", "smollm2_gguf_path": "smollm2", "cache_root": "smollm2", "SMOLLM2_PACKAGE": "smollm2",
+    "preferred_dtype": "dtype", "resolve_dtype": "dtype",
+    "KVBuffers": "decode", "decode_step": "decode", "fast_backbone": "decode",
+    "RowKV": "kv", "cache_kwarg": "kv", "output_cache": "kv",
+    "LearnerOutput": "learner", "head_inputs": "learner", "learner_logprobs": "learner",
+    "causal_lm": "parts", "causal_parts": "parts",
+    "ValueHead": "value_head",
+    "PrefixGroups": "positions", "position_ids_from_attention_mask": "positions", "prefix_groups": "positions",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

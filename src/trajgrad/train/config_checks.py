@@ -1,0 +1,322 @@
+"""Checks of a :class:`~trajgrad.train.config.Config` beyond its schema, made at load time.
+
+Everything here runs before any model is built, and every error names its dotted key:
+
+* :func:`check_config` (every config): the recipe and its overrides (known fields, strict
+  types, finite numbers, clip bounds inside their domain), the tiny models' shapes, the
+  task's options (validated by the task source itself, with strict types taken from its
+  options dataclass), the environment latency spec, and whether the task can provide
+  ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks.
+* :func:`check_effective` (configs given by a user: YAML file and ``--set``): a key the
+  user set to a non-default value that has no effect in the chosen mode is refused
+  (``asynchronous.workers`` without ``asynchronous.enabled``, ``recipe.overrides.beta``
+  with a recipe that is not DPO, ...).
+
+Both raise ``ValueError("dotted.key: message; other.key: message")`` on one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Dict, Iterable, List, Optional
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+__all__ = ["check_config", "check_effective", "user_keys"]
+
+# Losses whose ratio is clipped to (or trusted in) [1 - eps_low, 1 + eps_high].
+_RATIO_LOSSES = ("ppo", "gspo", "gspo_token", "sao")
+# Objective fields that only matter to some losses / settings (used for "no effect").
+_LOSS_FIELDS = {
+    "eps_low": _RATIO_LOSSES, "eps_high": _RATIO_LOSSES, "dual_clip": ("ppo",),
+    "tau_pos": ("sapo",), "tau_neg": ("sapo",), "ratio_gradient": ("sao",), "beta": ("dpo",),
+}
+_CRITIC_FIELDS = ("critic_updates", "value_clip", "vf_coef", "lam")
+_ENUMERATE_LIMIT = 50_000  # calculator expression spaces up to this size are counted exactly
+
+
+class _Errors:
+    def __init__(self) -> None:
+        self.items: List[str] = []
+
+    def add(self, key: str, msg: str) -> None:
+        self.items.append(f"{key}: {msg}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise ValueError("; ".join(dict.fromkeys(self.items)))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _strict_check(hint: Any, value: Any) -> Optional[str]:
+    """None if ``value`` is a ``hint`` without coercion (no bool for int, finite floats)."""
+    try:
+        TypeAdapter(hint, config=ConfigDict(strict=True, allow_inf_nan=False)).validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        return f"{err['msg'].rstrip('.')} (got {value!r})"
+    except Exception:  # pragma: no cover - a hint pydantic cannot build a schema for
+        return None
+    return None
+
+
+def _split_field_message(msg: str, fields: Iterable[str]) -> tuple[Optional[str], str]:
+    """``"max_turns: expected ..."`` -> ("max_turns", "expected ...") when the prefix is a field."""
+    head, sep, rest = str(msg).partition(":")
+    if sep and head.strip() in set(fields):
+        return head.strip(), rest.strip()
+    return None, str(msg)
+
+
+# ----------------------------------------------------------------------------- recipe
+
+
+def _check_recipe(cfg, errors: _Errors):
+    from ..objective import RECIPES, Objective
+
+    name = cfg.recipe.name
+    if name not in RECIPES:
+        errors.add("recipe.name", f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
+        return None
+    hints = typing.get_type_hints(Objective)
+    fields = {f.name for f in dataclasses.fields(Objective)} - {"name", "paper"}
+    ok = True
+    for key, value in cfg.recipe.overrides.items():
+        if key not in fields:
+            errors.add(f"recipe.overrides.{key}", f"unknown field of the recipe; known: {', '.join(sorted(fields))}")
+            ok = False
+            continue
+        bad = _strict_check(hints[key], value)
+        if bad:
+            errors.add(f"recipe.overrides.{key}", bad)
+            ok = False
+    if not ok:
+        return None
+    try:
+        obj = cfg.objective()
+    except ValueError as exc:
+        field, rest = _split_field_message(exc, fields)
+        if field is None:
+            errors.add("recipe.overrides", _one_line(exc))
+        elif field == "group_size" and "group_size" not in cfg.recipe.overrides and cfg.train.group_size is not None:
+            errors.add("train.group_size", _one_line(rest))
+        else:
+            errors.add(f"recipe.overrides.{field}", _one_line(rest))
+        return None
+    if obj.loss in _RATIO_LOSSES and not obj.eps_low < 1:
+        key = "recipe.overrides.eps_low" if "eps_low" in cfg.recipe.overrides else "recipe.name"
+        errors.add(key, f"the lower ratio bound 1 − eps_low must be > 0, got 1 − {obj.eps_low:g} = {1 - obj.eps_low:g}")
+    return obj
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _check_tiny(prefix: str, tiny, errors: _Errors) -> None:
+    if tiny.hidden_size % tiny.heads:
+        errors.add(f"{prefix}.hidden_size", f"must be divisible by {prefix}.heads ({tiny.heads}), got {tiny.hidden_size}")
+    elif (tiny.hidden_size // tiny.heads) % 2:
+        errors.add(f"{prefix}.hidden_size", f"the head size hidden_size / heads = {tiny.hidden_size // tiny.heads} "
+                   "must be even (rotary position embeddings)")
+
+
+def _check_models(cfg, obj, errors: _Errors) -> None:
+    if cfg.model.name == "tiny":
+        _check_tiny("model.tiny", cfg.model.tiny, errors)
+    if obj is not None and obj.loss == "opd":
+        if cfg.teacher.name == "smollm2" and cfg.model.name != "smollm2":
+            errors.add("teacher.name", "'smollm2' needs model.name 'smollm2' (the same tokenizer)")
+        elif cfg.teacher.name in ("tiny", "sft"):
+            if cfg.model.name != "tiny":
+                errors.add("teacher.name", f"{cfg.teacher.name!r} builds a tiny teacher; it needs model.name 'tiny'")
+            _check_tiny("teacher.tiny", cfg.teacher.tiny, errors)
+    if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
+        errors.add("rollout.base_url", "required for rollout.backend 'openai'")
+
+
+# ----------------------------------------------------------------------------- task
+
+
+def _option_fields(source) -> Dict[str, Any]:
+    """Option name -> type hint, from the source's options dataclass (``source.config``)."""
+    opts = getattr(source, "config", None)
+    if opts is None or not dataclasses.is_dataclass(opts):
+        return {}
+    try:
+        return typing.get_type_hints(type(opts))
+    except Exception:  # pragma: no cover
+        return {f.name: Any for f in dataclasses.fields(opts)}
+
+
+def _calculator_capacity(source, split: str) -> Optional[int]:
+    """Distinct tasks of ``split`` the calculator source can generate: the exact count when the
+    expression space is small enough to enumerate, else minus the expected count; None when
+    the source is not the calculator."""
+    try:
+        from ..envs import calculator as calc
+    except ImportError:  # pragma: no cover
+        return None
+    if not isinstance(source, calc.CalculatorSource):
+        return None
+    c = source.config
+    ops = sorted(set(c.operators))
+    R = c.max_operand - c.min_operand + 1
+    total = sum(R ** (k + 1) * len(ops) ** k for k in range(c.min_ops, c.max_ops + 1))
+    split_of = getattr(calc, "_split_of", None)
+    if total > _ENUMERATE_LIMIT or split_of is None:
+        share = c.heldout_fraction if split == "heldout" else 1.0 - c.heldout_fraction
+        return -max(1, int(total * share))  # negative: the expected count (not enumerated)
+    excluded = {e[0] for e in (getattr(calc, "_EXAMPLE_MULTI", None), getattr(calc, "_EXAMPLE_SINGLE", None)) if e}
+    operands = [str(v) for v in range(c.min_operand, c.max_operand + 1)]
+    count = 0
+
+    def walk(parts: List[str], left: int) -> None:
+        nonlocal count
+        if left == 0:
+            expr = " ".join(parts)
+            if expr not in excluded and split_of(expr, c.heldout_fraction) == split:
+                count += 1
+            return
+        for op in ops:
+            for v in operands:
+                walk(parts + [op, v], left - 1)
+
+    for k in range(c.min_ops, c.max_ops + 1):
+        for v in operands:
+            walk([v], k)
+    return count
+
+
+def _check_task(cfg, errors: _Errors) -> None:
+    from ..envs import available_task_sources, get_task_source
+
+    name, options = cfg.task.name, cfg.task.options
+    if name not in available_task_sources():
+        errors.add("task.name", f"unknown task source {name!r}; available: {', '.join(available_task_sources())}")
+        return
+    try:
+        fields = _option_fields(get_task_source(name))
+    except Exception:  # a source that needs options: validate by construction only
+        fields = {}
+    if fields:
+        bad = False
+        for key, value in options.items():
+            if key not in fields:
+                errors.add(f"task.options.{key}", f"unknown option of task {name!r}; known: {', '.join(fields)}")
+                bad = True
+                continue
+            msg = _strict_check(fields[key], value)
+            if msg:
+                errors.add(f"task.options.{key}", msg)
+                bad = True
+        if bad:
+            return
+    try:
+        source = get_task_source(name, **options)
+    except TypeError as exc:
+        errors.add("task.options", _one_line(exc))
+        return
+    except ValueError as exc:
+        field, rest = _split_field_message(exc, fields or options)
+        errors.add(f"task.options.{field}" if field else "task.options", _one_line(rest))
+        return
+    need = (("train", cfg.task.n_train, "task.n_train"),
+            ("heldout", cfg.eval.n or cfg.task.n_heldout, "eval.n" if cfg.eval.n else "task.n_heldout"))
+    for split, n, key in need:
+        cap = _calculator_capacity(source, split)
+        if cap is not None and n > abs(cap):
+            many = f"about {-cap}" if cap < 0 else f"{cap}"
+            errors.add(key, f"asks for {n} {split.replace('heldout', 'held-out')} tasks; task {name!r} with these "
+                       f"options has {many} distinct ones")
+    lat = cfg.asynchronous.env_latency
+    if lat is not None:
+        from ..envs.latency import with_latency
+
+        try:
+            with_latency(source, lat)
+        except ValueError as exc:
+            field, rest = _split_field_message(exc, ("mu", "sigma", "seed", "spec"))
+            key = "asynchronous.env_latency" + (f".{field}" if field not in (None, "spec") else "")
+            errors.add(key, _one_line(rest))
+
+
+def check_config(cfg) -> None:
+    """Raise ValueError (every problem, each with its dotted key, on one line)."""
+    errors = _Errors()
+    obj = _check_recipe(cfg, errors)
+    _check_models(cfg, obj, errors)
+    _check_task(cfg, errors)
+    if cfg.eval.during_n is not None and cfg.eval.during_n > (cfg.eval.n or cfg.task.n_heldout):
+        errors.add("eval.during_n", f"is more than the {cfg.eval.n or cfg.task.n_heldout} held-out tasks evaluated")
+    errors.raise_if_any()
+
+
+# ----------------------------------------------------------------------------- no effect
+
+
+def user_keys(data: Any, prefix: str = "") -> List[str]:
+    """Dotted leaf keys of a nested dict (what a YAML file or ``--set`` sets)."""
+    if not isinstance(data, dict) or (prefix and not data):
+        return [prefix] if prefix else []
+    out: List[str] = []
+    for k, v in data.items():
+        out.extend(user_keys(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _changed(cfg, key: str, default_cfg) -> bool:
+    cur, ref = cfg, default_cfg
+    for part in key.split("."):
+        cur, ref = getattr(cur, part, None), getattr(ref, part, None)
+    return cur != ref
+
+
+def check_effective(cfg, keys: Iterable[str]) -> None:
+    """Refuse user-set keys (``keys``, dotted) whose non-default values have no effect."""
+    from .config import Config
+
+    errors = _Errors()
+    default = Config()
+    obj = cfg.objective()
+    keys = list(dict.fromkeys(keys))
+    rules = [
+        ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
+         ("asynchronous.enabled",)),
+        ("rollout.", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'",
+         ("rollout.backend",)),
+        ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
+         ("constraint.enabled",)),
+        ("critic.", not obj.critic, f"has no effect: recipe {obj.name!r} trains no critic", ()),
+        ("model.tiny.", cfg.model.name != "tiny", "has no effect unless model.name is 'tiny'", ()),
+        ("teacher.tiny.", cfg.teacher.name == "smollm2", "has no effect with teacher.name 'smollm2'", ()),
+        ("eval.during_n", cfg.eval.every == 0, "has no effect when eval.every is 0 (no evaluation during training)", ()),
+        ("sampling.top_k", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
+        ("sampling.top_p", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
+        ("sft.", cfg.sft.steps == 0 and not (obj.loss == "opd" and cfg.teacher.name == "sft"),
+         "has no effect when sft.steps is 0", ("sft.steps",)),
+        ("eval.", not (cfg.eval.before or cfg.eval.after or cfg.eval.every),
+         "has no effect: eval.before, eval.after and eval.every turn every evaluation off",
+         ("eval.before", "eval.after", "eval.every")),
+        ("checkpoint.keep", cfg.checkpoint.every == 0, "has no effect when checkpoint.every is 0 (no checkpoints)", ()),
+        ("train.dynamic_sampling_max_tries", not obj.dynamic_sampling,
+         f"has no effect: recipe {obj.name!r} has no dynamic sampling", ()),
+    ]
+    for key in keys:
+        for prefix, inactive, msg, exempt in rules:
+            if inactive and (key == prefix or key.startswith(prefix)) and key not in exempt:
+                if _changed(cfg, key, default):
+                    errors.add(key, msg)
+        if key.startswith("recipe.overrides."):
+            field = key.split(".")[2]
+            losses = _LOSS_FIELDS.get(field)
+            if losses is not None and obj.loss not in losses:
+                errors.add(key, f"has no effect with loss {obj.loss!r} (recipe {obj.name!r})")
+            elif field in _CRITIC_FIELDS and not obj.critic:
+                errors.add(key, f"has no effect: recipe {obj.name!r} trains no critic")
+            elif field == "kl_kind" and obj.kl_placement == "none":
+                errors.add(key, "has no effect when kl_placement is 'none'")
+    errors.raise_if_any()
+

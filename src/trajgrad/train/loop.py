@@ -1,0 +1,87 @@
+"""The run's frame, shared by the synchronous and the asynchronous (Ray) runs.
+
+* :func:`preamble`: held-out evaluation before training, the SFT warm start (and the
+  evaluation after it), the snapshot of :math:`\\pi_{ref}` (the policy when RL starts), the
+  first checkpoint. Skipped by a resumed run, whose checkpoint holds all of it.
+* :func:`end_of_step`: count the optimizer step, log its metrics, update the progress bar,
+  evaluate and checkpoint on the configured cadence.
+* :func:`progress_bar`: the run's tqdm bar (disabled off rank 0 or with ``log.progress`` off).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from .evaluation import format_eval
+
+# live metrics on the progress bar: (metric key, label)
+POSTFIX: Tuple[Tuple[str, str], ...] = (
+    ("reward/mean", "reward"), ("success/rate", "success"), ("kl/k3", "kl"), ("kl/k3_to_reference", "kl_ref"),
+    ("clip_frac/pos_high", "clip+"), ("clip_frac/neg_low", "clip-"), ("entropy", "entropy"),
+    ("throughput/gen_tokens_per_s", "tok/s"))
+
+
+def progress_bar(trainer, total: int, desc: str, initial: int = 0):
+    from tqdm.auto import tqdm
+
+    show = trainer.cfg.log.progress and trainer.is_main
+    return tqdm(total=total, initial=initial, desc=desc, disable=not show, dynamic_ncols=True)
+
+
+def preamble(trainer, save: Callable[[], object]) -> None:
+    """Before the first RL step of a fresh run (a resumed run skips it)."""
+    cfg = trainer.cfg
+    if trainer.resume:
+        return
+    if cfg.eval.before:
+        trainer.console(f"evaluating on {len(trainer.heldout_tasks)} held-out tasks (before training)...")
+        trainer.eval_before = trainer.evaluate("before")
+        trainer.console(format_eval("before", trainer.eval_before))
+    if cfg.sft.steps > 0:
+        bar = progress_bar(trainer, cfg.sft.steps, "sft warm start")
+
+        def prog(s, loss):
+            bar.update(1)
+            bar.set_postfix(nll=f"{loss:.3f}")
+            trainer.metrics.log(s, {"sft/nll": loss}, kind="sft")
+
+        trainer.sft(cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, progress=prog)
+        bar.close()
+        if cfg.eval.before:
+            trainer.console(format_eval("after SFT", trainer.evaluate("after_sft")))
+    trainer.snapshot_reference()
+    if cfg.checkpoint.every:
+        save()
+
+
+def end_of_step(trainer, metrics: Dict[str, float], save: Callable[[], object], bar=None,
+                postfix: Sequence[Tuple[str, str]] = POSTFIX, say_eval: bool = True) -> None:
+    """One optimizer step is done: count it, log it, evaluate and checkpoint on cadence."""
+    cfg = trainer.cfg
+    trainer.step += 1
+    trainer.metrics.log(trainer.step, metrics, kind="train")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in postfix if k in metrics})
+    last = cfg.train.steps
+    if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < last:
+        ev = trainer.evaluate("during")
+        if say_eval and trainer.is_main:
+            write = bar.write if bar is not None and not bar.disable else trainer.console
+            write(format_eval(f"at step {trainer.step}", ev))
+    if cfg.checkpoint.every and (trainer.step % cfg.checkpoint.every == 0 or trainer.step == last):
+        save()
+
+
+def eval_summary(trainer, summary: Dict, after) -> Optional[float]:
+    """Add the before/after comparison to ``summary``; the two-proportion p-value."""
+    from .stats import two_proportion_test
+
+    b = trainer.eval_before
+    if b is None:
+        return None
+    p = two_proportion_test(b.successes, b.n, after.successes, after.n)
+    summary["eval_before"] = b.__dict__
+    summary["p_value"] = p
+    trainer.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
+                    f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")
+    return p

@@ -1,0 +1,182 @@
+"""The learner side of the Ray runs: Ray session, weight store, worker pool, the run's frame.
+
+:class:`RayLearner` is what :class:`~trajgrad.train.sao.AsyncTrainer` and
+:class:`~trajgrad.train.grouped.GroupedRayTrainer` share. It owns a
+:class:`~trajgrad.train.trainer.Trainer` (``self.trainer``) that performs every update
+(:meth:`Trainer.learn`) and goes through its public interface only: ``next_tasks``,
+``learn``, ``save``, ``finish``, and the shared frame of :mod:`trajgrad.train.loop`
+(preamble, step cadence). The asynchronous counters go to ``async_state.json`` next to each
+checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..rollout import Trajectory
+from . import loop
+from .config import Config
+from .partial import PARTIAL_POLICIES
+from .seeding import step_seed
+from .trainer import Trainer
+from .weight_store import WeightStore, trainable_state
+from .workers import RolloutPool
+
+ASYNC_STATE_FILE = "async_state.json"
+
+
+class RayLearner:
+    """Shared machinery: Ray session, weight store, pool, publishing, the run's frame."""
+
+    def __init__(self, cfg: Config, run_dir, *, resume: bool = False, console=print):
+        self.cfg = cfg
+        self.acfg = cfg.asynchronous
+        if self.acfg.partial not in PARTIAL_POLICIES:  # pragma: no cover - pydantic checks it
+            raise ValueError(f"asynchronous.partial: expected one of {PARTIAL_POLICIES}")
+        self._check_recipe(cfg)
+        self.console = console
+        self.trainer = Trainer(cfg, run_dir, resume=resume, console=console)
+        self.run_dir = self.trainer.run_dir
+        self.resume = resume
+        self.pool: Optional[RolloutPool] = None
+        self.store = None
+        self._owns_ray = False
+        self._published = -1
+        self._weights_ref = None
+        self.nonce = uuid.uuid4().hex[:8]
+        self.counters: Dict[str, float] = {
+            "episodes_finished": 0, "trajectories_finished": 0, "tokens_finished": 0,
+            "lost_episodes": 0, "failed_episodes": 0, "lost_on_resume": 0,
+        }
+        self.lost_keys: List[str] = []
+        self._t_start = time.perf_counter()
+        self._t_loop = 0.0
+        self._saved_step = -1
+
+    def _check_recipe(self, cfg: Config) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ Ray
+    def _start(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            kw: Dict[str, Any] = {"log_to_driver": False, "ignore_reinit_error": True}
+            if self.acfg.ray_address:
+                ray.init(address=self.acfg.ray_address, **kw)
+            else:
+                ray.init(num_cpus=max(self.acfg.workers + 1, os.cpu_count() or 1), include_dashboard=False, **kw)
+            self._owns_ray = True
+        total = float(ray.cluster_resources().get("CPU", 1.0))
+        cpus = min(1.0, total / max(self.acfg.workers, 1))
+        self.store = ray.remote(WeightStore).options(num_cpus=0).remote()
+        self.pool = RolloutPool(self.cfg.model_dump(), self.acfg.workers, self.store, cpus_per_worker=cpus,
+                                torch_threads=1)
+
+    def _stop(self) -> int:
+        import ray
+
+        left = 0
+        if self.pool is not None:
+            left = self.pool.shutdown()
+        if self.store is not None:
+            try:
+                ray.kill(self.store)
+            except Exception:  # pragma: no cover
+                pass
+            self.store = None
+        self._weights_ref = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+        return left
+
+    def publish(self) -> int:
+        """Send the learner's trainable tensors to the store under its policy version."""
+        import ray
+
+        v = int(self.trainer.policy_version)
+        ref = ray.put(trainable_state(self.trainer.model))
+        ray.get(self.store.publish.remote(v, [ref]))
+        self._weights_ref = ref
+        self._published = v
+        return v
+
+    def worker_progress(self) -> Dict[int, Tuple[str, int, float]]:
+        """Per worker slot: (episode key, turn index, time) of its last weight check; the
+        turn index is -1 once that episode has ended."""
+        import ray
+
+        return ray.get(self.store.get_progress.remote())
+
+    # ------------------------------------------------------------------ frame
+    def _begin(self, stall_timeout: float, desc: str):
+        """Preamble, workers ready, first weights published; the progress bar."""
+        loop.preamble(self.trainer, self.save)
+        self.pool.wait_ready(timeout=stall_timeout)
+        self.publish()
+        self._t_start = time.perf_counter()
+        return loop.progress_bar(self.trainer, self.cfg.train.steps, f"{self.trainer.objective.name} {desc}",
+                                 initial=self.trainer.step)
+
+    def _learn(self, trajs: List[Trajectory]) -> Dict[str, float]:
+        """One update by the trainer; newer weights go to the workers."""
+        m = self.trainer.learn(trajs)
+        if self.trainer.policy_version != self._published:
+            self.publish()
+        return m
+
+    def _end_step(self, m: Dict[str, float], bar, postfix: Sequence[str]) -> None:
+        loop.end_of_step(self.trainer, m, self.save, bar, postfix=tuple((k, k) for k in postfix), say_eval=False)
+
+    def _finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
+        """The trainer's own finishing step (held-out evaluation, summary.json)."""
+        return self.trainer.finish(summary)
+
+    def _async_state(self) -> Dict[str, Any]:
+        return {"step": self.trainer.step, "counters": dict(self.counters)}
+
+    def _final_save(self) -> None:
+        """Checkpoint a run stopped early (``max_seconds``) unless its last step was saved."""
+        if self.cfg.checkpoint.every and self._saved_step != self.trainer.step:
+            self.save()
+
+    def save(self) -> Path:
+        self._saved_step = self.trainer.step
+        path = self.trainer.save()
+        tmp = self.run_dir / (ASYNC_STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(self._async_state(), default=float))
+        os.replace(tmp, self.run_dir / ASYNC_STATE_FILE)
+        return path
+
+    def _load_async_state(self) -> Optional[Dict[str, Any]]:
+        p = self.run_dir / ASYNC_STATE_FILE
+        if not self.resume or not p.exists():
+            return None
+        st = json.loads(p.read_text())
+        if int(st.get("step", -1)) != self.trainer.step:
+            return None
+        for k, v in st.get("counters", {}).items():
+            self.counters[k] = v
+        return st
+
+    def _episode_key(self) -> Tuple[str, Any, int]:
+        idx = self.trainer.cursor
+        task = self.trainer.next_tasks(1)[0]
+        return f"{self.nonce}-{idx}", task, step_seed(self.cfg.train.seed, idx, salt=31)
+
+    def _log_raw(self, raw: Sequence[Trajectory], **info) -> None:
+        for t in raw:
+            t.metadata.setdefault("async", {}).update(info)
+        self.trainer.traj_log.extend(list(raw))
+
+    def _check_failures(self, consecutive: int, last: Any) -> None:
+        if consecutive > 4 * self.acfg.workers + 8:
+            raise RuntimeError(f"rollout workers: {consecutive} episodes failed in a row; last error: {last}")
+
+
+_RayLearner = RayLearner  # the previous name

@@ -1,0 +1,45 @@
+"""Rewards of a collated batch before any estimator: shaping, the constraint penalty, logged facts."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from .. import credit
+from .. import returns as returns_lib
+from ..rollout import RolloutBatch
+
+
+def batch_facts(batch: RolloutBatch) -> Dict[str, float]:
+    """What the batch is: mean reward, success rate, lengths, cut episodes."""
+    mask = batch.action_mask
+    return {"reward/mean": float(batch.rewards.mean()), "success/rate": float(batch.success.float().mean()),
+            "len/action_tokens": float(mask.sum(1).float().mean()),
+            "len/turns": float(batch.turn_mask.sum(1).float().mean()),
+            "len/cut_episodes": float(batch.truncated.float().mean())}
+
+
+def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """``[B, K]`` float64 per-turn rewards: optionally potential-shaped (§21, terminal
+    potential 0) and minus :math:`\\lambda\\cdot` cost (§22); 0 at padded turns."""
+    r = batch.turn_rewards.double()
+    m = batch.turn_mask
+    info: Dict[str, float] = {}
+    if shaping:
+        pots = torch.cat([batch.initial_potential.double()[:, None], batch.turn_potentials.double()], 1)
+        r = returns_lib.shape_rewards(r, pots, gamma=gamma, mask=m,
+                                      terminated=credit.terminal_turn_mask(m, batch.terminated),
+                                      zero_terminal_potential=True)
+        info["shaping/bonus"] = float((r - batch.turn_rewards.double())[m].sum() / len(batch))
+    if lagrange is not None:
+        costs = batch.turn_costs.double()
+        info["constraint/mean_cost"] = float(costs.sum(1).mean())
+        info["constraint/lambda"] = lagrange.value
+        r = r - lagrange.value * costs
+    return torch.where(m, r, torch.zeros_like(r)), info
+
+
+def token_rewards(batch: RolloutBatch, turn_r: torch.Tensor) -> torch.Tensor:
+    """``[B, L]``: each turn's reward on its last action token (:func:`trajgrad.credit.place_turn_rewards`)."""
+    return credit.place_turn_rewards(turn_r, batch.action_mask, batch.turn_ids, batch.turn_mask)
+

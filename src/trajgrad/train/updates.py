@@ -1,0 +1,349 @@
+r"""The update steps: one optimizer step each, as a function of the learner state and a batch.
+
+Every step follows the same five lines (§13): zero the gradients; for each micro-batch,
+forward, loss with the step's *global* denominator, backward; sum the gradients over ranks
+(:func:`trajgrad.distributed.sync_gradients_sum`: the denominators are global counts, so
+the sum is the gradient of the whole batch's loss); clip; step. The steps:
+
+* :func:`policy_update`: the recipe's policy loss (:meth:`Objective.policy_loss`), for
+  ``epochs_per_batch`` epochs;
+* :func:`critic_update`: ``K`` value-loss steps on TD(λ) targets, then skip-observation
+  GAE advantages from the updated critic (§20.3, §20.4; bootstrap values from
+  :mod:`trajgrad.credit`);
+* :func:`distill_update`: on-policy distillation against the frozen teacher (§14);
+* :func:`dpo_update`: DPO on preference pairs, the pair count of the whole step as the
+  denominator (§10, §13);
+* :func:`sft_update`: masked negative log-likelihood on demonstrations.
+
+Nothing here samples, logs or checkpoints; the formulas are the core's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import credit
+from .. import distributed as dist_lib
+from ..aggregate import Normalizer, aggregate, masked_mean
+from ..diagnostics import explained_variance
+from ..fused import fused_entropy, fused_token_logprobs
+from ..losses import kl_estimate, sequence_logp
+from ..objective import Objective
+from ..rollout import RolloutBatch
+from .models import ReferenceWeights
+from .policy import ValueHead, head_inputs, learner_logprobs
+
+
+@dataclass
+class LearnerState:
+    """What an update step reads and changes: the networks, their optimizers, the settings.
+
+    ``reference`` is None until :func:`snapshot_reference` freezes :math:`\\pi_{ref}`
+    (when RL starts); ``value_head``/``critic_optimizer`` exist for critic recipes,
+    ``teacher`` for distillation.
+    """
+
+    objective: Objective
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    micro_batch_size: int
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    grad_clip: Optional[float]
+    epochs_per_batch: int = 1
+    critic_updates: int = 0
+    value_head: Optional[ValueHead] = None
+    critic_optimizer: Optional[torch.optim.Optimizer] = None
+    reference: Optional[ReferenceWeights] = None
+    teacher: Optional[torch.nn.Module] = None
+
+    def trainable(self, model: Optional[torch.nn.Module] = None) -> List[torch.nn.Parameter]:
+        return [p for p in (model or self.model).parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------- shared pieces
+def micro_batches(n: int, size: int) -> List[List[int]]:
+    """Row indices of consecutive micro-batches of at most ``size`` rows."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def global_denominator(masks, mode: str, constant=None) -> torch.Tensor:
+    """The step's denominator: counts summed over micro-batches and ranks (§13); gradients
+    are summed over ranks afterwards, so nothing is divided by the world size."""
+    norm = Normalizer(mode, constant=constant, grad_average_over_ranks=False)
+    for m in masks:
+        norm.add(m)
+    return norm.denominator()
+
+
+def finish_step(params, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]) -> Optional[float]:
+    """Sum gradients over ranks, clip (returns the pre-clip norm), step."""
+    dist_lib.sync_gradients_sum(params)
+    gn = float(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if grad_clip else None
+    optimizer.step()
+    return gn
+
+
+class TokenWeightedMetrics:
+    """Micro-batch metrics averaged with weights ``tokens(mb) / tokens(batch)``."""
+
+    def __init__(self, total_tokens: float):
+        self.total = max(float(total_tokens), 1.0)
+        self.values: Dict[str, float] = {}
+
+    def add(self, metrics, tokens: float) -> None:
+        w = float(tokens) / self.total
+        for k, v in metrics.items():
+            if torch.is_tensor(v) and v.numel() == 1 and torch.isfinite(v):
+                self.values[k] = self.values.get(k, 0.0) + w * float(v)
+
+
+def logprobs(st: LearnerState, batch: RolloutBatch, *, model=None, want_hidden=False, want_entropy=False):
+    """Learner log-probs of the action tokens under the sampling distribution's transforms."""
+    return learner_logprobs(model or st.model, batch.input_ids, batch.attention_mask, batch.action_mask,
+                            temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
+                            want_hidden=want_hidden, want_entropy=want_entropy)
+
+
+def snapshot_reference(st: LearnerState) -> None:
+    """Freeze :math:`\\pi_{ref}` as the current policy (when RL starts; a no-op once taken)."""
+    if st.objective.uses_reference and st.reference is None:
+        st.reference = ReferenceWeights(st.model)
+
+
+@torch.no_grad()
+def reference_logprobs(st: LearnerState, batch: RolloutBatch) -> torch.Tensor:
+    """``[B, L]`` log-probs under :math:`\\pi_{ref}` (snapshotted now if not yet taken)."""
+    snapshot_reference(st)
+    outs = []
+    with st.reference.applied(st.model):
+        for idx in micro_batches(len(batch), st.micro_batch_size):
+            outs.append(logprobs(st, batch.select(idx)).logp)
+    return torch.cat(outs, 0)
+
+
+def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""``[B, L]`` float64 log-probs of the action tokens and the per-token entropy
+    :math:`\mathcal H_j=-\sum_v\pi_{j,v}\log\pi_{j,v}` of the sampling distribution at
+    ``temperature``, *both with their gradient*, from one forward pass.
+
+    Both go through the chunked head of :mod:`trajgrad.fused` (logits recomputed chunk by
+    chunk in backward), so ``[B, L, V]`` is never held. The entropy bonus needs the exact
+    entropy of the distribution the sampler draws from: with ``top_k``/``top_p`` that is a
+    truncated distribution, which this path does not compute, so it raises.
+    """
+    if st.top_k is not None or (st.top_p is not None and st.top_p < 1.0):
+        raise ValueError("entropy_coef: the entropy bonus is computed for sampling without top_k/top_p "
+                         f"(got top_k={st.top_k}, top_p={st.top_p})")
+    h, w, b = head_inputs(st.model, batch.input_ids, batch.attention_mask)
+    mask = batch.action_mask.bool()
+    logp = fused_token_logprobs(h, w, batch.input_ids[:, 1:], bias=b, temperature=st.temperature, mask=mask)
+    ent = fused_entropy(h, w, bias=b, temperature=st.temperature, mask=mask)
+    return logp.double(), ent.double()
+
+
+def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
+    """Entropy, and how far the learner's log-probs are from the sampler's records (§7)."""
+    m = {"entropy": float(masked_mean(entropy.double(), mask))}
+    m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
+    diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
+    m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
+    return m
+
+
+# ---------------------------------------------------------------------- policy
+def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tensor, old_logp: Optional[torch.Tensor],
+                  ref_logp: Optional[torch.Tensor], *, behaviour: Optional[torch.Tensor] = None,
+                  behaviour_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """``epochs_per_batch`` optimizer steps of the recipe's policy loss on one batch.
+
+    ``old_logp=None``: one on-policy epoch; each micro-batch's own detached log-probs are
+    the old log-probs (the numbers a separate no-grad pass would give, ratio 1 exactly).
+    ``behaviour_logp``: the sampler's log-probs (0 off the action tokens), handed to
+    :meth:`Objective.policy_loss` with ``old_logp``; the term takes its ratio against the one
+    it declares (§7, §20.2). ``behaviour``: the sampler's raw records, for the
+    learner-vs-sampler metrics. With ``entropy_coef > 0`` the loss gets the per-token entropy
+    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`).
+    """
+    obj = st.objective
+    mask = batch.action_mask
+    if old_logp is None and st.epochs_per_batch != 1:
+        raise ValueError("old_logp: required when epochs_per_batch > 1")
+    mbs = micro_batches(len(batch), st.micro_batch_size)
+    den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+    params = st.trainable()
+    with_entropy = obj.entropy_coef > 0
+    seen_logp, seen_ent = [], []
+    acc = TokenWeightedMetrics(mask.sum())
+    loss_total, grad_norm = 0.0, None
+    for _epoch in range(st.epochs_per_batch):
+        st.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        for idx in mbs:
+            mb = batch.select(idx)
+            first = old_logp is None
+            if with_entropy:
+                lp, ent = logprobs_with_entropy(st, mb)
+            else:
+                out = logprobs(st, mb, want_entropy=first)
+                lp, ent = out.logp.double(), out.entropy
+            if first:
+                seen_logp.append(lp.detach())
+                seen_ent.append(ent.detach())
+            old_mb = lp.detach() if old_logp is None else old_logp[idx]
+            res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
+                                  behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
+                                  ref_logp=None if ref_logp is None else ref_logp[idx],
+                                  entropy=ent if with_entropy else None, denominator=den)
+            res.loss.backward()
+            loss_total += float(res.loss.detach())
+            acc.add(res.metrics, mb.action_mask.sum())
+        grad_norm = finish_step(params, st.optimizer, st.grad_clip)
+        if grad_norm is not None:
+            acc.values["grad_norm"] = grad_norm
+    metrics = acc.values
+    metrics["loss"] = loss_total
+    if seen_logp and behaviour is not None:
+        metrics.update(sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
+    return metrics
+
+
+# ---------------------------------------------------------------------- critic
+def critic_update(st: LearnerState, batch: RolloutBatch, hidden: torch.Tensor,
+                  token_rewards: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """``K`` critic steps on TD(λ) targets, then advantages from the updated critic (§20.3).
+
+    Targets and advantages are skip-observation GAE (§20.4) with each row's terminal mask
+    and bootstrap value from :mod:`trajgrad.credit` (a compacted sub-trace bootstraps from
+    its next sub-trace, §19). Returns ``([B, L] advantages, metrics)``.
+    """
+    obj = st.objective
+    mask = batch.action_mask
+    term = batch.terminated
+    terminated = credit.terminal_token_mask(mask, term)
+    next_rows = batch.next_segment_rows()
+    with torch.no_grad():
+        values = st.value_head(hidden).double()
+    boot = credit.bootstrap_values(values, mask, term, next_rows)
+    targets = obj.token_advantages(values, token_rewards, mask, terminated=terminated, bootstrap_value=boot).returns
+    vden = global_denominator([mask], "token_mean")
+    vl = None
+    for _ in range(st.critic_updates):
+        st.critic_optimizer.zero_grad(set_to_none=True)
+        pred = st.value_head(hidden).double()
+        vl = obj.value_loss(pred, targets, mask, old_values=values, denominator=vden)
+        vl.loss.backward()
+        finish_step(list(st.value_head.parameters()), st.critic_optimizer, None)
+    with torch.no_grad():
+        new_values = st.value_head(hidden).double()
+    # the advantages use the updated critic throughout, its bootstrap included
+    boot2 = credit.bootstrap_values(new_values, mask, term, next_rows)
+    adv = obj.token_advantages(new_values, token_rewards, mask, terminated=terminated, bootstrap_value=boot2).advantages
+    m = {"critic/value_loss": float(vl.loss.detach()) if vl is not None else float("nan"),
+         "critic/explained_variance": float(explained_variance(targets, values, mask)),
+         "critic/value_mean": float(masked_mean(values, mask))}
+    return adv, m
+
+
+# ---------------------------------------------------------------------- distillation
+def distill_update(st: LearnerState, batch: RolloutBatch) -> Dict[str, float]:
+    """One step of on-policy distillation: the student's samples, the teacher's full
+    distribution through the fused head (§14)."""
+    obj = st.objective
+    mbs = micro_batches(len(batch), st.micro_batch_size)
+    den = global_denominator([batch.action_mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+    st.optimizer.zero_grad(set_to_none=True)
+    acc = TokenWeightedMetrics(batch.action_mask.sum())
+    total = 0.0
+    for idx in mbs:
+        mb = batch.select(idx)
+        h, w, b = head_inputs(st.model, mb.input_ids, mb.attention_mask)
+        with torch.no_grad():
+            th, tw, tb = head_inputs(st.teacher, mb.input_ids, mb.attention_mask)
+        res = obj.distill_loss(student_hidden=h, student_weight=w, student_bias=b, teacher_hidden=th,
+                               teacher_weight=tw, teacher_bias=tb, mask=mb.action_mask, denominator=den,
+                               temperature=st.temperature)
+        res.loss.backward()
+        total += float(res.loss.detach())
+        acc.add(res.metrics, mb.action_mask.sum())
+    gn = finish_step(st.trainable(), st.optimizer, st.grad_clip)
+    metrics = acc.values
+    if gn is not None:
+        metrics["grad_norm"] = gn
+    metrics["loss"] = total
+    return metrics
+
+
+# ---------------------------------------------------------------------- DPO
+def dpo_pair_loss(objective: Objective, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp,
+                  num_pairs: int):
+    r"""This rank's share of the step's DPO loss: :math:`\frac1N\sum_{b\in\text{rank}}\ell_b`.
+
+    ``N`` (``num_pairs``) is the pair count of the whole step over every rank, so the sum
+    over ranks of these losses (and of their gradients) is the single-process loss on all
+    pairs (§13). :meth:`Objective.dpo_loss` returns the local mean
+    :math:`\frac1{B}\sum_b\ell_b`; it is rescaled by :math:`B/N` (exact: a finite factor).
+    Returns the local :class:`~trajgrad.types.LossResult` (its ``loss`` the local mean) and
+    the rescaled loss to backpropagate.
+    """
+    B = int(chosen_logp.shape[0])
+    if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < B or num_pairs < 1:
+        raise ValueError(f"num_pairs: expected an integer >= {max(B, 1)} (this rank's pairs), got {num_pairs!r}")
+    res = objective.dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)
+    return res, res.loss * (B / num_pairs)
+
+
+def dpo_update(st: LearnerState, chosen: Optional[RolloutBatch], rejected: Optional[RolloutBatch],
+               num_pairs: int) -> Dict[str, float]:
+    """One DPO step on this rank's pairs (``chosen``/``rejected`` None when it holds none:
+    it still takes part in the gradient sum); the denominator is ``num_pairs``, the step's
+    pair count over every rank (§13)."""
+    st.optimizer.zero_grad(set_to_none=True)
+    out: Dict[str, float] = {}
+    local = 0.0
+    if chosen is not None and len(chosen) > 0:
+        with torch.no_grad():
+            ref_c = sequence_logp(reference_logprobs(st, chosen).double(), chosen.action_mask)
+            ref_r = sequence_logp(reference_logprobs(st, rejected).double(), rejected.action_mask)
+        pc = sequence_logp(logprobs(st, chosen).logp.double(), chosen.action_mask)
+        pr = sequence_logp(logprobs(st, rejected).logp.double(), rejected.action_mask)
+        res, share = dpo_pair_loss(st.objective, pc, pr, ref_c, ref_r, num_pairs)
+        share.backward()
+        local = float(share.detach())
+        out.update({k: float(v.detach()) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
+    else:
+        snapshot_reference(st)
+    params = st.trainable()
+    finish_step(params, st.optimizer, st.grad_clip or 1e9)
+    # per-pair means over every rank's pairs; the loss is the sum of the ranks' shares
+    n_local = 0 if chosen is None else len(chosen)
+    out = dist_lib.mean_metrics_over_ranks(out, weight=n_local)
+    out["loss"] = dist_lib.sum_over_ranks(local)
+    return out
+
+
+# ---------------------------------------------------------------------- SFT
+def sft_update(st: LearnerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               batch: Optional[RolloutBatch]) -> float:
+    """One step of masked negative log-likelihood on demonstration tokens (token mean over
+    the step's tokens on every rank); returns this rank's share of the loss. ``batch=None``:
+    this rank holds no demonstration this step (it still takes part in the sums)."""
+    params = st.trainable(model)
+    optimizer.zero_grad(set_to_none=True)
+    if batch is None:
+        global_denominator([], "token_mean")  # the count's all-reduce, matched on every rank
+        finish_step(params, optimizer, 1.0)
+        return 0.0
+    mbs = micro_batches(len(batch), st.micro_batch_size)
+    den = global_denominator([batch.action_mask[i] for i in mbs], "token_mean")
+    total = 0.0
+    for idx in mbs:
+        mb = batch.select(idx)
+        loss = aggregate(-logprobs(st, mb, model=model).logp, mb.action_mask, "token_mean", denominator=den)
+        loss.backward()
+        total += float(loss.detach())
+    finish_step(params, optimizer, 1.0)
+    return total

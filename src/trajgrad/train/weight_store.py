@@ -1,0 +1,80 @@
+"""Weights sent from the learner to the rollout workers, and the actor that holds the newest.
+
+Only the trainable tensors travel (the LoRA adapters, or every parameter of a model
+trained in full): :func:`trainable_state` / :func:`load_trainable_state`. The
+:class:`WeightStore` (a Ray actor in the asynchronous runs) keeps the newest
+``(version, [ObjectRef])``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["trainable_state", "load_trainable_state", "WeightStore"]
+
+
+def trainable_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors a weight sync sends: every parameter with ``requires_grad`` (the LoRA
+    adapters of a PEFT model, all parameters of a model trained in full), detached, on CPU."""
+    out = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    if not out:
+        raise ValueError("model: has no trainable parameters to publish")
+    return out
+
+
+@torch.no_grad()
+def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> int:
+    """Copy ``state`` (from :func:`trainable_state`) into ``model``'s parameters in place.
+
+    Every name must be a parameter of ``model`` with the same shape; returns the number
+    of tensors copied.
+    """
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        p = params.get(name)
+        if p is None:
+            raise ValueError(f"state: {name!r} is not a parameter of the model")
+        if tuple(p.shape) != tuple(value.shape):
+            raise ValueError(f"state: {name!r} has shape {tuple(value.shape)}, the model's is {tuple(p.shape)}")
+        p.copy_(torch.as_tensor(value).to(device=p.device, dtype=p.dtype))
+    return len(state)
+
+
+class WeightStore:
+    """Newest published weights (a Ray actor in :class:`AsyncTrainer`).
+
+    Holds ``(version, [ObjectRef])``: the reference sits inside a list so that Ray
+    passes it on instead of resolving it. Workers also report their progress (episode
+    key and turn index) when they ask, for monitoring and fault-injection tests.
+    """
+
+    def __init__(self):
+        self.version = -1
+        self.box = None
+        self.progress: Dict[int, Tuple[str, int, float]] = {}
+
+    def publish(self, version: int, box: list) -> int:
+        if version < self.version:
+            raise ValueError(f"version: {version} is older than the published {self.version}")
+        self.version = int(version)
+        self.box = box
+        return self.version
+
+    def newer(self, version: int, worker: Optional[int] = None, key: Optional[str] = None, turn: Optional[int] = None):
+        if worker is not None:
+            self.progress[int(worker)] = (key, turn, time.time())
+        if self.box is not None and self.version > version:
+            return self.version, self.box
+        return None
+
+    def latest_version(self) -> int:
+        return self.version
+
+    def finished(self, worker: int, key: str) -> None:
+        """A worker's episode ended: its progress turn becomes -1."""
+        self.progress[int(worker)] = (key, -1, time.time())
+
+    def get_progress(self) -> Dict[int, Tuple[str, int, float]]:
+        return dict(self.progress)

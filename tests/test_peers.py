@@ -1,0 +1,52 @@
+"""trajgrad verify --peer: TRL's and verl's own code against trajgrad's recipes.
+
+These run where the pinned peers are installed (`make peers`; CI runs this file in that
+environment). Without them only the import-free parts run.
+"""
+import importlib.util
+
+import pytest
+
+from trajgrad.peers import PeerCase, cases, run_case
+
+HAVE = {p: importlib.util.find_spec(p) is not None for p in ("trl", "verl")}
+
+
+@pytest.mark.parametrize("peer", ["trl", "verl"])
+def test_every_peer_function_agrees_outright_or_with_a_named_option(peer):
+    if not HAVE[peer]:
+        pytest.skip(f"{peer} is not installed here (CI runs this file in the peers environment, `make peers`)")
+    results = [run_case(c) for c in cases(peer)]
+    for r in results:
+        assert r.error == "", (r.case.function, r.error)
+        assert r.status.startswith("agrees"), (r.case.function, r.status, r.table)
+    assert len(results) >= 9
+
+
+def test_a_wrong_mapping_is_reported_as_differs():
+    """The classification can fail: a peer function mapped to the wrong recipe differs."""
+    if not HAVE["verl"]:
+        pytest.skip("verl is not installed here (CI runs this file in the peers environment, `make peers`)")
+    from functools import partial
+
+    from trajgrad.peers import verl as V
+
+    wrong = PeerCase("verl", "vanilla as sapo", partial(V.policy_loss, "vanilla", loss_agg_mode="token-mean"), "sapo")
+    assert run_case(wrong).status == "differs"
+    missing_option = PeerCase("verl", "grpo advantage, population std", V.grpo_advantage, "grpo", kind="advantage")
+    assert run_case(missing_option).status == "differs"
+
+
+def test_unknown_peer_is_a_clear_error():
+    with pytest.raises(ValueError, match="peer"):
+        cases("openrlhf")
+
+
+def test_report_files(tmp_path):
+    from trajgrad.peers import CaseResult, report
+
+    case = PeerCase("verl", "f", lambda: None, "grpo")
+    res = [CaseResult(case, "agrees with option x=1", 1e-12, [], ["masked_nan: NaN"], "table")]
+    md, page = report.write("verl", "0.9.1", res, tmp_path)
+    assert "| `f` | `grpo` |" in md.read_text() and "agrees with option x=1" in md.read_text()
+    assert page.read_text().startswith("<!doctype html>") and "masked_nan" in page.read_text()
