@@ -69,6 +69,28 @@ def test_policy_metrics_quantiles_match_torch_and_large_path(monkeypatch):
     assert torch.allclose(got2, q, atol=1e-14)
 
 
+def test_policy_metrics_quantiles_of_large_tensors_come_from_a_fixed_sample():
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(64, 1024, generator=g, dtype=D64)
+    mask = torch.rand(64, 1024, generator=g) > 0.4
+    m = policy_metrics(z, torch.zeros(64), mask)
+    exact = torch.quantile(z[mask], t([0.01, 0.5, 0.99]))
+    got = t([m["log_ratio/q01"], m["log_ratio/q50"], m["log_ratio/q99"]])
+    # ~2,400 valid entries of a 4,096-position sample: standard error of the median ~0.025
+    assert torch.allclose(got, exact, atol=0.15)
+    assert not torch.equal(got, exact)  # a sample, as documented
+    again = policy_metrics(z, torch.zeros(64), mask)
+    assert all(torch.equal(again[k], m[k]) for k in m)  # the same positions every call
+    # the other statistics stay exact
+    assert m["ratio/max"].item() == pytest.approx(z[mask].exp().max().item())
+    assert m["kl/k1"].item() == pytest.approx((-z[mask]).mean().item())
+    # a sample that misses every valid entry falls back to all of them
+    sparse = torch.zeros(64, 1024, dtype=torch.bool)
+    sparse[5, 7] = True
+    ms = policy_metrics(z, torch.zeros(64), sparse)
+    assert ms["log_ratio/q50"].item() == pytest.approx(z[5, 7].item())
+
+
 def test_policy_metrics_empty_mask():
     m = policy_metrics(t([[math.nan, 1.0]]), t([1.0]), torch.zeros(1, 2), eps_low=0.2)
     assert m["tokens"].item() == 0

@@ -249,3 +249,18 @@ def test_bad_inputs(fn, kwargs, name):
     pos = [args.pop(k) for k in ("logp", "old_logp", "advantages", "mask")]
     with pytest.raises(ValueError, match=name):
         fn(*pos, **args)
+
+
+# ------------------------------------------------------ empty batches (issue: [B, 0])
+@pytest.mark.parametrize("fn", [gspo_loss, gspo_token_loss])
+@pytest.mark.parametrize("shape,adv_1d", [((3, 0), True), ((3, 0), False), ((0, 4), True)])
+def test_zero_length_batch_is_a_zero_loss(fn, shape, adv_1d):
+    B, L = shape
+    logp = torch.zeros(B, L, dtype=torch.float64, requires_grad=True)
+    adv = torch.ones(B, dtype=torch.float64) if adv_1d else torch.ones(B, L, dtype=torch.float64)
+    res = fn(logp, torch.zeros(B, L, dtype=torch.float64), adv, torch.ones(B, L))
+    assert res.loss.item() == 0.0
+    res.loss.backward()
+    assert logp.grad.shape == (B, L)
+    assert res.metrics["tokens"].item() == 0
+    assert all(torch.isfinite(v) for v in res.metrics.values())

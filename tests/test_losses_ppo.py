@@ -6,6 +6,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from trajgrad.aggregate import MODES, aggregate, local_count
+from trajgrad.diagnostics import loss_quantiles
 from trajgrad.losses import ppo_clip_loss, reinforce_loss
 
 D64 = torch.float64
@@ -172,7 +173,9 @@ def test_clip_fraction_metrics_by_sign_and_side():
     advs = [1.0, 1.0, -1.0, -1.0, 1.0, 0.0]
     old = [[-1.0] * 7]
     cur = [[-1.0 + math.log(r) for r in ratios] + [0.0]]
-    res, _ = run(cur, old, [advs + [5.0]], [[1] * 6 + [0]], eps_low=0.2)
+    with loss_quantiles():
+        res, _ = run(cur, old, [advs + [5.0]], [[1] * 6 + [0]], eps_low=0.2)
+    assert "log_ratio/q50" not in run(cur, old, [advs + [5.0]], [[1] * 6 + [0]], eps_low=0.2)[0].metrics
     m = res.metrics
     assert m["clip_frac/pos_high"].item() == pytest.approx(1 / 6)
     assert m["clip_frac/pos_low"].item() == pytest.approx(1 / 6)

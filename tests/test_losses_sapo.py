@@ -215,3 +215,76 @@ def test_bad_inputs(kwargs, name):
     pos = [args.pop(k) for k in ("logp", "old_logp", "advantages", "mask")]
     with pytest.raises(ValueError, match=name):
         sapo_loss(*pos, **args)
+
+
+# ------------------------------------------------------------- sequence-level SAPO
+def _seq_batch(seed=0, B=5, L=7):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, L, generator=g, dtype=D64) * 2
+    old = logp + 0.6 * torch.randn(B, L, generator=g, dtype=D64)
+    adv = torch.randn(B, generator=g, dtype=D64)
+    mask = (torch.rand(B, L, generator=g) > 0.3).to(D64)
+    mask[0] = 1
+    mask[-1] = 0
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.3, 4.0)])
+def test_sequence_level_value_and_gradient(tau_pos, tau_neg):
+    logp, old, adv, mask = _seq_batch()
+    lp = logp.clone().requires_grad_(True)
+    res = sapo_loss(lp, old, adv, mask, tau_pos=tau_pos, tau_neg=tau_neg, level="sequence")
+    res.loss.backward()
+    lengths = mask.sum(-1)
+    nonempty = lengths > 0
+    s = torch.exp(((logp - old) * mask).sum(-1) / lengths.clamp_min(1))
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    p = torch.sigmoid(tau * (s - 1))
+    f = 4 / tau * p
+    G = nonempty.sum()
+    assert res.loss.item() == pytest.approx(-(f * adv)[nonempty].sum().item() / G.item(), rel=1e-12)
+    # d/dlogp_t = -(1/G) 4p(1-p) s A / L_i : one weight per response
+    want = -(4 * p * (1 - p) * s * adv / lengths.clamp_min(1))[:, None] * mask / G
+    assert torch.allclose(lp.grad, want, atol=1e-14)
+    assert res.metrics["sequences"].item() == G.item()
+    gate = 4 * p * (1 - p)
+    assert res.metrics["gate/mean"].item() == pytest.approx(gate[nonempty].mean().item())
+
+
+def test_sequence_level_matches_token_level_for_uniform_log_ratios():
+    # with one log ratio per response the two levels give the same gradient (the §18 regime)
+    logp, _, adv, mask = _seq_batch(1)
+    shift = torch.tensor([0.1, -0.2, 0.05, 0.3, 0.0], dtype=D64)[:, None]
+    old = logp - shift
+    g = {}
+    for level in ("token", "sequence"):
+        lp = logp.clone().requires_grad_(True)
+        sapo_loss(lp, old, adv, mask, level=level).loss.backward()
+        g[level] = lp.grad
+    assert torch.allclose(g["token"], g["sequence"], atol=1e-14)
+
+
+def test_sequence_level_rejects_token_advantages_and_bad_level():
+    logp, old, _, mask = _seq_batch()
+    with pytest.raises(ValueError, match="advantages"):
+        sapo_loss(logp, old, torch.randn(logp.shape, dtype=D64), mask, level="sequence")
+    with pytest.raises(ValueError, match="level"):
+        sapo_loss(logp, old, torch.ones(logp.shape[0], dtype=D64), mask, level="turn")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_sequence_level_masked_slots_change_nothing(bad):
+    logp, old, adv, mask = _seq_batch(2)
+    mask[0, 3] = 0
+    out = []
+    for v in (0.0, bad):
+        lp = logp.clone()
+        lp[0, 3] = v
+        o = old.clone()
+        o[0, 3] = v
+        lp.requires_grad_(True)
+        res = sapo_loss(lp, o, adv, mask, level="sequence")
+        res.loss.backward()
+        out.append((res.loss.item(), lp.grad))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-12)
+    assert torch.isfinite(out[1][1]).all() and torch.equal(out[0][1], out[1][1])

@@ -28,6 +28,7 @@ import torch
 
 from . import _checks
 from .aggregate import MODES, aggregate
+from .correction import OFF, RolloutCorrection
 from .registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_TERMS,
@@ -48,6 +49,8 @@ _KL_ESTIMATE_ARGS = {
     "low_var_kl": ("k3", 10.0), "low_var_kl+": ("k3+", 10.0),
 }
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
+SAPO_LEVELS = ("token", "sequence")
+CLIP_COV_HIGH = 5.0  # Clip-Cov's upper covariance bound (Cui et al. 2025)
 # fields every recipe reads (the rest are read only by the entries or modes that declare them)
 _ALWAYS = ("name", "loss", "advantage", "aggregation", "kl_placement", "entropy_coef", "group_size", "paper")
 # fields that set the training schedule, not the value of one loss evaluation
@@ -116,6 +119,22 @@ class Objective:
       dpo_loss_type, label_smoothing, simpo_gamma: the preference loss of a pairwise recipe
         (``trajgrad.losses.dpo_loss``: ``sigmoid`` (DPO, default), ``robust``, ``hinge``,
         ``ipo``, ``simpo``), its label smoothing ε and SimPO's margin γ.
+      sapo_level: SAPO's gate on token ratios (``"token"``) or on GSPO's sequence ratio
+        (``"sequence"``).
+      weight_eps_low: CISPO's lower clip of the IS weight, bound ``1 − weight_eps_low``
+        (``1.0``: no lower bound, the paper's); the upper one is ``1 + eps_high``.
+      log_clip_low, log_clip_high: GMPO's clip range on the token *log* ratio.
+      delta_low, delta_high: DPPO's trust region (probability units for binary TV, nats
+        for binary KL).
+      cov_ratio, cov_low: Clip-Cov / KL-Cov: fraction of valid tokens selected, and Clip-Cov's
+        lower covariance bound (the upper one is the paper's 5, a constant of the recipe;
+        ``trajgrad.losses.clip_cov_loss`` takes both). Clip-Cov's random selection is seeded
+        by the batch content (the same batch selects the same tokens).
+      cov_kl_coef: KL-Cov's penalty coefficient β.
+      rollout_correction: a :class:`trajgrad.correction.RolloutCorrection` (or a dict of its
+        fields: kind, level, cap, bounds, reject, reject_threshold, reject_level,
+        seq_mask_delta, mode); ``None`` (stored as the no-op setting) is off. Applied by
+        :meth:`policy_loss` to every token recipe, with ``behaviour_logp``.
     """
 
     name: str
@@ -149,8 +168,28 @@ class Objective:
     dpo_loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    sapo_level: str = "token"
+    weight_eps_low: float = 1.0
+    log_clip_low: float = 0.4
+    log_clip_high: float = 0.4
+    delta_low: float = 0.1
+    delta_high: float = 0.1
+    cov_ratio: float = 2e-4
+    cov_low: float = 1.0
+    cov_kl_coef: float = 1.0
+    rollout_correction: RolloutCorrection = OFF
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rollout_correction", RolloutCorrection.coerce(self.rollout_correction))
+        _checks.check_choice("sapo_level", self.sapo_level, SAPO_LEVELS)
+        _finite_positive("weight_eps_low", self.weight_eps_low)
+        _checks.check_in_range("weight_eps_low", self.weight_eps_low, 0.0, 1.0, inclusive=(False, True))
+        for f in ("log_clip_low", "log_clip_high", "delta_low", "delta_high", "cov_ratio", "cov_kl_coef"):
+            _finite_positive(f, getattr(self, f), allow_zero=f == "cov_kl_coef")
+        _checks.check_in_range("cov_ratio", self.cov_ratio, 0.0, 1.0, inclusive=(False, True))
+        v = self.cov_low
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v < CLIP_COV_HIGH:
+            raise ValueError(f"cov_low: must be a finite number below {CLIP_COV_HIGH:g}, got {v!r}")
         _checks.check_choice("loss", self.loss, tuple(POLICY_TERMS))
         _checks.check_choice("advantage", self.advantage, tuple(ADVANTAGE_ESTIMATORS))
         _checks.check_choice("aggregation", self.aggregation, MODES)
@@ -214,6 +253,11 @@ class Objective:
                 raise ValueError(f"advantage: loss {self.loss!r} ({term.kind}) takes no advantage; use 'none'")
         elif est.level == "none":
             raise ValueError(f"advantage: loss {self.loss!r} needs an advantage estimator, got 'none'")
+        if self.rollout_correction and term.kind != "token":
+            raise ValueError(f"rollout_correction: loss {self.loss!r} ({term.kind}) takes no rollout correction")
+        if self.rollout_correction and self.rollout_correction.mode == "decoupled" and term.ratio == "behaviour":
+            raise ValueError(f"rollout_correction: loss {self.loss!r} takes its ratio against the behaviour log-probs "
+                             "already; use mode 'bypass' (masks only) or no correction")
         if term.sequence_advantages and est.level == "token":
             raise ValueError(f"advantage: loss {self.loss!r} needs one advantage per response, {self.advantage!r} is per token")
         for check in (term.validate, est.validate):
@@ -273,6 +317,8 @@ class Objective:
             f += ["critic", "critic_updates", "value_clip"]
         if self.group_size > 1 or self.estimator.min_group > 1:
             f.append("dynamic_sampling")
+        if self.term.kind == "token":
+            f.append("rollout_correction")
         return tuple(dict.fromkeys(f))
 
     def replace(self, **changes: Any) -> "Objective":
@@ -368,6 +414,15 @@ class Objective:
         the full sampling distribution, ``[B, L]``, *with* its gradient) is required. Every
         term uses the recipe's aggregation and the same ``denominator``, so micro-batches and
         ranks sum to the full-batch loss (§13). DPO: :meth:`dpo_loss`; OPD: :meth:`distill_loss`.
+
+        **Rollout correction** (``rollout_correction`` set; needs ``behaviour_logp``): in
+        ``"decoupled"`` mode the term's ratio stays against ``old_logp`` and each token's term
+        is multiplied by the detached weight computed from :math:`\pi_{old}/\mu`; in
+        ``"bypass"`` mode the term's ratio is taken against ``behaviour_logp`` (``old_logp`` is
+        not needed) and only the masks apply, computed from :math:`\mathrm{sg}[\pi_\theta]/\mu`
+        (:mod:`trajgrad.correction`). Dropped tokens leave the numerator and stay in the
+        denominator. The correction's metrics (``correction/*``) join the term's. The KL and
+        entropy terms are not re-weighted.
         """
         from .losses import kl_estimate
 
@@ -377,19 +432,35 @@ class Objective:
             raise ValueError(f"loss: recipe {self.name!r} is {term.kind}; call Objective.{method}")
         if advantages is None:
             raise ValueError(f"advantages: required by loss {self.loss!r}")
+        rc = self.rollout_correction
+        bypass = bool(rc) and rc.mode == "bypass"
+        if rc and behaviour_logp is None:
+            raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
         ratio_logp = None
-        if term.ratio == "old":
+        if term.ratio == "old" and not bypass:
             if old_logp is None:
                 raise ValueError(f"old_logp: required by loss {self.loss!r}")
             ratio_logp = old_logp
-        elif term.ratio == "behaviour":
+        elif term.ratio != "none":
             ratio_logp = behaviour_logp if behaviour_logp is not None else old_logp
             if ratio_logp is None:
                 raise ValueError(f"behaviour_logp: required by loss {self.loss!r} (its ratio is to the sampler's log-probs)")
         c = self.constant if constant is None else constant
         agg = dict(aggregation=self.aggregation, constant=c, denominator=denominator)
+        corr = None
+        if rc:
+            if bypass:
+                target = logp.detach()
+            else:
+                if old_logp is None:
+                    raise ValueError("old_logp: required by rollout_correction in 'decoupled' mode (the proximal log-probs)")
+                target = old_logp
+            corr = rc(behaviour_logp, target, mask, advantages=advantages if rc.seq_mask_delta is not None else None)
+            agg["weights"] = corr.weight
         res = term.call(self, PolicyInputs(logp, advantages, mask, ratio_logp, old_logp, behaviour_logp, ref_logp, agg))
         loss, metrics = res.loss, dict(res.metrics)
+        if corr is not None:
+            metrics.update(corr.metrics)
         if self.kl_placement == "loss":
             if ref_logp is None:
                 raise ValueError("ref_logp: required when kl_placement is 'loss'")
@@ -514,6 +585,8 @@ def _detached(o: Objective) -> List[str]:
         out.append("reference log-probs")
     if o.critic:
         out.append("value targets (GAE returns)")
+    if o.kind == "token" and o.rollout_correction:
+        out.append("rollout-correction weights and masks")
     return list(dict.fromkeys(out))
 
 
@@ -529,6 +602,7 @@ def sections(recipe: "str | Objective", **overrides: Any) -> Dict[str, str]:
         "entropy bonus": "off",
         "dynamic sampling": "off",
         "sampling": f"{o.group_size} rollout(s) per prompt",
+        "rollout correction": o.rollout_correction.describe() if o.kind == "token" else "off",
     }
     if o.critic:
         vc = f"clipped to ±{o.value_clip:g} around the old value" if o.value_clip is not None else "unclipped"
@@ -557,7 +631,7 @@ def explain(recipe: "str | Objective", **overrides: Any) -> str:
     o = _resolve(recipe, **overrides)
     lines = [f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}"]
     for title, body in sections(o).items():
-        if title in ("critic", "entropy bonus", "dynamic sampling") and body in ("none", "off"):
+        if title in ("critic", "entropy bonus", "dynamic sampling", "rollout correction") and body in ("none", "off"):
             continue
         if title == "aggregation":
             mode, rest = body.split("\n", 1)
@@ -570,6 +644,8 @@ def explain(recipe: "str | Objective", **overrides: Any) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, dict):  # a nested setting (rollout_correction)
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
     return f"{v:g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
 
 

@@ -61,6 +61,33 @@ RECIPES: Dict[str, Objective] = {
         name="dpo", loss="dpo", advantage="none", aggregation="token_mean", beta=0.1,
         paper="Rafailov et al. 2023 (DPO), spec §10",
     ),
+    "cispo": Objective(
+        name="cispo", loss="cispo", advantage="group_std", aggregation="token_mean", eps_high=0.28,
+        weight_eps_low=1.0, group_size=8,
+        paper="MiniMax 2025 (MiniMax-M1, CISPO); eps_high not published, 0.28 = DAPO's clip-higher",
+    ),
+    "gmpo": Objective(
+        name="gmpo", loss="gmpo", advantage="group_std", aggregation="seq_mean_token_mean", log_clip_low=0.4,
+        log_clip_high=0.4, group_size=8, paper="Zhao et al. 2025 (GMPO): clip range (e^-0.4, e^0.4)",
+    ),
+    "dppo_tv": Objective(
+        name="dppo_tv", loss="dppo_tv", advantage="group_std", aggregation="token_mean", delta_low=0.1,
+        delta_high=0.1, group_size=8, paper="Qi et al. 2026 (DPPO-Binary-TV); delta tuned per setting",
+    ),
+    "dppo_kl": Objective(
+        name="dppo_kl", loss="dppo_kl", advantage="group_std", aggregation="token_mean", delta_low=0.05,
+        delta_high=0.05, group_size=8, paper="Qi et al. 2026 (DPPO-Binary-KL); delta tuned per setting",
+    ),
+    "clip_cov": Objective(
+        name="clip_cov", loss="clip_cov", advantage="group_std", aggregation="token_mean", eps_low=0.2,
+        cov_ratio=2e-4, cov_low=1.0, group_size=8,
+        paper="Cui et al. 2025 (The Entropy Mechanism of RL for Reasoning LMs, Clip-Cov)",
+    ),
+    "kl_cov": Objective(
+        name="kl_cov", loss="kl_cov", advantage="group_std", aggregation="token_mean", cov_ratio=2e-3,
+        cov_kl_coef=1.0, group_size=8,
+        paper="Cui et al. 2025 (The Entropy Mechanism of RL for Reasoning LMs, KL-Cov; ratio 2e-3 for 7B)",
+    ),
     # ------------------------------------------------------------------ peers' defaults, reproduced
     "verl-grpo": Objective(
         name="verl-grpo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2,

@@ -6,6 +6,8 @@ reads, which log-probabilities its ratio is taken against, what it detaches, and
 """
 from __future__ import annotations
 
+import torch
+
 from . import losses
 from .registry import PolicyTerm, register_policy_term
 
@@ -73,17 +75,28 @@ register_policy_term(PolicyTerm(
 
 # ---------------------------------------------------------------------- SAPO (§18)
 def _sapo_text(o) -> str:
+    if o.sapo_level == "sequence":
+        return ("s_i = exp((1/L_i) Σ_t [log π_θ(y_it) − sg[log π_old(y_it)]])   (GSPO's sequence ratio, NOT detached)\n"
+                f"τ_i = {o.tau_pos:g} if A_i > 0 else {o.tau_neg:g}\n"
+                "x_it = − (4/τ_i) σ(τ_i (s_i − 1)) A_i   at every token of response i   (sequence-level SAPO)\n"
+                "    gradient 4p(1−p) s_i A_i (1/L_i) Σ_t ∇log π_θ(y_it): one soft-gated weight per response")
     return ("r_it = exp(log π_θ(y_it) − sg[log π_old(y_it)])   (NOT detached: its gradient is the update)\n"
             f"τ_it = {o.tau_pos:g} if A_it > 0 else {o.tau_neg:g}\n"
             "x_it = − (4/τ_it) σ(τ_it (r_it − 1)) A_it          (§18)\n"
             "    gradient gate 4p(1−p) r A ∇log π_θ, gate = 1 at r = 1 for any τ")
 
 
+def _sapo_validate(o) -> None:
+    if o.sapo_level == "sequence" and o.estimator.level == "token":
+        raise ValueError("sapo_level: 'sequence' needs one advantage per response; "
+                         f"advantage {o.advantage!r} is per token")
+
+
 register_policy_term(PolicyTerm(
-    name="sapo", fn=losses.sapo_loss, fields=("tau_pos", "tau_neg"), ratio="old", detached=("old log-probs",),
-    aggregation="seq_mean_token_mean", text=_sapo_text,
+    name="sapo", fn=losses.sapo_loss, fields=("tau_pos", "tau_neg", "sapo_level"), ratio="old",
+    detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_sapo_text, validate=_sapo_validate,
     call=lambda o, x: losses.sapo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, tau_pos=o.tau_pos,
-                                       tau_neg=o.tau_neg, **x.agg),
+                                       tau_neg=o.tau_neg, level=o.sapo_level, **x.agg),
 ))
 
 
@@ -123,4 +136,108 @@ register_policy_term(PolicyTerm(
     text=lambda o: (f"loss = − log σ(β [log π_θ(y_w) − log π_ref(y_w)] − β [log π_θ(y_l) − log π_ref(y_l)]),  "
                     f"β = {o.beta:g}   (§10)\n"
                     "    sequence log-probs; reference log-probs detached; a static preference dataset"),
+))
+
+
+# ---------------------------------------------------------------------- CISPO (MiniMax-M1)
+def _cispo_text(o) -> str:
+    lo = "0" if o.weight_eps_low >= 1 else f"{1 - o.weight_eps_low:g}"
+    return ("r_it = exp(log π_θ(y_it) − log π_old(y_it))\n"
+            f"x_it = − sg[clip(r_it, {lo}, {1 + o.eps_high_:g})] · A_it · log π_θ(y_it)   (clipped IS weight, MiniMax-M1)\n"
+            "    every token keeps a gradient, weighted by the clipped ratio (PPO would zero the clipped ones)")
+
+
+register_policy_term(PolicyTerm(
+    name="cispo", fn=losses.cispo_loss, fields=("eps_high", "weight_eps_low"), ratio="old",
+    detached=("old log-probs", "the clipped IS weight"), aggregation="token_mean", text=_cispo_text,
+    call=lambda o, x: losses.cispo_loss(x.logp, x.ratio_logp, x.advantages, x.mask,
+                                        eps_low=None if o.weight_eps_low >= 1 else o.weight_eps_low,
+                                        eps_high=o.eps_high_, **x.agg),
+))
+
+
+# ---------------------------------------------------------------------- GMPO (Zhao et al. 2025)
+def _gmpo_text(o) -> str:
+    cl, ch = o.log_clip_low, o.log_clip_high
+    return ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
+            f"z̃_it = min(z_it, {ch:g}) if A_i > 0;  max(z_it, −{cl:g}) if A_i < 0   (token-level clip in log space)\n"
+            "x_it = − A_i · exp((1/L_i) Σ_t z̃_it)   at every token of response i   (geometric mean of clipped ratios)\n"
+            "    gradient (A_i s̃_i / L_i) ∇log π_θ(y_it) on unclipped tokens, 0 on clipped ones")
+
+
+register_policy_term(PolicyTerm(
+    name="gmpo", fn=losses.gmpo_loss, fields=("log_clip_low", "log_clip_high"), ratio="old",
+    detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_gmpo_text, sequence_advantages=True,
+    call=lambda o, x: losses.gmpo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_low=o.log_clip_low,
+                                       clip_high=o.log_clip_high, **x.agg),
+))
+
+
+# ---------------------------------------------------------------------- DPPO (Qi et al. 2026)
+def _dppo_text(kind):
+    def text(o) -> str:
+        if kind == "tv":
+            d = "D_it = p_it − q_it  (p = π_θ(y_it), q = π_old(y_it): binary total variation, signed)"
+            m = f"M_it = 0 if (A > 0 and D > {o.delta_high:g}) or (A < 0 and D < −{o.delta_low:g}), else 1"
+        else:
+            d = "D_it = q log(q/p) + (1−q) log((1−q)/(1−p))  (binary KL of the sampled token, p = π_θ, q = π_old)"
+            m = (f"M_it = 0 if (A > 0, p > q, D > {o.delta_high:g}) or (A < 0, p < q, D > {o.delta_low:g}), else 1")
+        return (d + "\n" + m + "   (trust region on the probability, one-sided like §8)\n"
+                "x_it = − M_it · sg[r_it] · A_it · log π_θ(y_it),  r_it = π_θ/π_old   (gradient M r A ∇log π_θ)")
+    return text
+
+
+for _kind, _fn in (("tv", losses.dppo_tv_loss), ("kl", losses.dppo_kl_loss)):
+    register_policy_term(PolicyTerm(
+        name=f"dppo_{_kind}", fn=_fn, fields=("delta_low", "delta_high"), ratio="old",
+        detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
+        text=_dppo_text(_kind), verify_noise=0.6,
+        call=(lambda f: lambda o, x: f(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
+                                       delta_high=o.delta_high, **x.agg))(_fn),
+    ))
+
+
+# ---------------------------------------------------------------------- Clip-Cov / KL-Cov (Cui et al. 2025)
+_COV = "Cov_it = (log π_θ(y_it) − mean log π) (A_it − mean A)   (detached, means over the batch's valid tokens)"
+
+
+def _batch_seed(x) -> int:
+    """A selection seed that is a function of the batch content (same batch, same tokens)."""
+    with torch.no_grad():
+        m = torch.as_tensor(x.mask).to(torch.float64)
+        lp = torch.where(m > 0, x.logp.detach().to(torch.float64), torch.zeros((), dtype=torch.float64))
+        adv = torch.as_tensor(x.advantages).detach().to(torch.float64)
+        valid = m > 0 if adv.ndim == 2 else (m > 0).any(-1)
+        adv = torch.where(valid, adv, torch.zeros((), dtype=torch.float64))
+        key = (float(lp.sum()), float((lp * lp).sum()), float(adv.sum()), int(m.sum()))
+    return hash(key) & 0x7FFFFFFF
+
+
+def _clip_cov_text(o) -> str:
+    return (_COV + "\n"
+            f"S = random (seeded by the batch) selection of {o.cov_ratio:g}·N tokens with {o.cov_low:g} < Cov < 5, "
+            "not clipped by PPO\n"
+            f"x_it = − min(ρ A, clip(ρ, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A), with sg[·] on the tokens of S   "
+            "(their gradient is removed)")
+
+
+def _kl_cov_text(o) -> str:
+    return (_COV + "\n"
+            f"T = the {o.cov_ratio:g}·N tokens of largest positive Cov\n"
+            f"x_it = − ρ_it A_it + {o.cov_kl_coef:g} · 1[t ∈ T] · |log π_θ(y_it) − log π_old(y_it)|   (no clipping)")
+
+
+register_policy_term(PolicyTerm(
+    name="clip_cov", fn=losses.clip_cov_loss, fields=("eps_low", "eps_high", "cov_ratio", "cov_low"),
+    ratio="old", detached=("old log-probs", "the covariance", "the selected tokens' terms"), aggregation="token_mean",
+    text=_clip_cov_text,
+    call=lambda o, x: losses.clip_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_ratio=o.cov_ratio,
+                                           cov_low=o.cov_low, cov_high=5.0, seed=_batch_seed(x), **_clip(o),
+                                           **x.agg),
+))
+register_policy_term(PolicyTerm(
+    name="kl_cov", fn=losses.kl_cov_loss, fields=("cov_ratio", "cov_kl_coef"), ratio="old",
+    detached=("old log-probs", "the covariance"), aggregation="token_mean", text=_kl_cov_text,
+    call=lambda o, x: losses.kl_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, kl_ratio=o.cov_ratio,
+                                         kl_coef=o.cov_kl_coef, **x.agg),
 ))

@@ -18,6 +18,14 @@ explicit ``aggregation=`` (and optional global ``denominator=``), and returns
   ``seq_mean_token_mean``.
 * ``sao_dis_loss`` (§20.2): :math:`-f(r)A\ell`, :math:`f` rejecting both tails; default
   ``token_mean``.
+* ``cispo_loss`` (MiniMax-M1): :math:`-\mathrm{sg}[\operatorname{clip}(r)]A\ell`; default
+  ``token_mean``.
+* ``gmpo_loss`` (Zhao et al. 2025): :math:`-A_i\exp(\frac1{L_i}\sum_t\tilde z_{i,t})`, token
+  log ratios clipped by the sign of :math:`A`; default ``seq_mean_token_mean``.
+* ``dppo_tv_loss`` / ``dppo_kl_loss`` (Qi et al. 2026): policy gradient masked by a binary
+  TV / KL trust region on the sampled token's probability; default ``token_mean``.
+* ``clip_cov_loss`` / ``kl_cov_loss`` (Cui et al. 2025): covariance-selected tokens detached /
+  KL-penalized; default ``token_mean``.
 * ``dpo_loss`` (§10): :math:`-\log\sigma(\hat r_w-\hat r_l)`, mean over pairs.
 * ``value_loss`` (§20.3): :math:`\frac12(V-R)^2`, optionally clipped; default
   ``token_mean``.
@@ -34,7 +42,11 @@ from .distill import (
     reverse_kl_distill_loss,
     sampled_token_kl,
 )
+from .cispo import cispo_loss
+from .cov import clip_cov_loss, kl_cov_loss
 from .dpo import dpo_loss, sequence_logp
+from .dppo import dppo_kl_loss, dppo_tv_loss
+from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
 from .lagrange import LagrangeMultiplier
@@ -52,6 +64,12 @@ __all__ = [
     "gspo_token_loss",
     "sapo_loss",
     "sao_dis_loss",
+    "cispo_loss",
+    "gmpo_loss",
+    "dppo_tv_loss",
+    "dppo_kl_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
     "dpo_loss",
     "sequence_logp",
     "kl_estimate",

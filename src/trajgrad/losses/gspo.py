@@ -11,31 +11,12 @@ from typing import Optional
 
 import torch
 
-from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import policy_metrics
-from ..ratios import gspo_log_sequence_ratio
+from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
+from ._common import (
+    aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
+)
 from .ppo import _clip_bounds, _clipped_surrogate
-from .reinforce import _prepare
-
-
-def _sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` advantage of each sequence from a sanitized ``[B, L]`` tensor.
-
-    Raises unless the advantage is constant over each sequence's valid tokens.
-    """
-    first = mask.to(torch.int8).argmax(-1)  # index of the first valid token (0 if none)
-    seq = adv.gather(1, first[:, None]).squeeze(1)
-    if _checks.values_checked():
-        dev = torch.where(mask, (adv - seq[:, None]).abs(), torch.zeros_like(adv))
-        tol = 1e-6 * (1.0 + seq.abs())
-        if bool((dev.amax(-1) > tol).any()):
-            raise ValueError(
-                "advantages: GSPO needs one advantage per sequence ([B], or [B, L] constant over "
-                "each sequence's valid tokens); use gspo_token_loss for per-token advantages"
-            )
-    return seq
 
 
 def gspo_loss(
@@ -46,6 +27,7 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -82,8 +64,14 @@ def gspo_loss(
       mask: ``[B, L]`` action mask.
       eps_low, eps_high: clip range on :math:`s_i`; defaults ``3e-4`` / ``4e-4`` are the
         GSPO paper's (tiny, because :math:`s_i` is a per-token geometric mean).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's :math:`\frac1G\sum_i`).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    A batch with no valid token (all-zero mask, or ``L = 0``) gives loss 0 (attached, zero
+    gradient) and the metrics of an unchanged policy, like every other loss here.
 
     Returns:
       ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` computed
@@ -91,20 +79,24 @@ def gspo_loss(
       of :math:`\log s_i`, ``clip_frac/*`` fractions of sequences), with ``sequences``
       (non-empty count) and ``tokens`` (valid tokens).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    seq_adv = _sequence_advantages(x.advantages, x.mask)
-    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask)  # [B], attached
-    nonempty = x.mask.any(-1)
-    seq_adv = torch.where(nonempty, seq_adv, torch.zeros_like(seq_adv))
-    j, _ = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)
-    term = (-j)[:, None].expand(x.mask.shape)
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(
-        log_s.detach()[:, None], seq_adv[:, None], nonempty[:, None], eps_low=eps_low, eps_high=eps_high
-    )
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
+    log_s = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
+    j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
+    w = token_weights(weights, x)
+    if w is None:
+        loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+    else:  # the response term spread over its tokens, each weighted
+        loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
+    with torch.no_grad():
+        nonempty = (x.lengths > 0)[:, None]
+        nf = nonempty.to(x.lengths.dtype)
+        metrics = _fast_policy_metrics(
+            log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum(), lo_b=lo_b, hi_b=hi_b
+        )
     metrics["sequences"] = metrics.pop("tokens")
-    metrics["tokens"] = x.mask.sum().to(metrics["sequences"].dtype)
+    metrics["tokens"] = x.tokens.detach().to(metrics["sequences"].dtype)
     return LossResult(loss, metrics)
 
 
@@ -116,6 +108,7 @@ def gspo_token_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -148,6 +141,9 @@ def gspo_token_loss(
       logp, old_logp, mask: as in :func:`gspo_loss`.
       advantages: ``[B, L]`` per token or ``[B]`` (detached here).
       eps_low, eps_high: GSPO paper defaults ``3e-4`` / ``4e-4``.
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's token average inside
         each response, then the mean over responses).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -156,14 +152,17 @@ def gspo_token_loss(
       ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` on the
       per-token ratio :math:`s_{i,t}` and per-token advantages (token fractions).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    log_s = gspo_log_sequence_ratio(x.logp, x.behaviour, x.mask).detach()
-    carrier_log = x.logp - x.logp.detach()  # value 0, gradient d logp
-    log_ratio = _checks.fill_masked(log_s[:, None] + carrier_log, x.mask)
-    surrogate, _ = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
-    loss = aggregate(-surrogate, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(log_ratio.detach(), x.advantages, x.mask, eps_low=eps_low, eps_high=eps_high)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    with torch.no_grad():
+        log_s = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)
+        z = log_s[:, None] * x.maskf  # the value of log s_{i,t}: log s_i at valid tokens, 0 elsewhere
+    lp = x.logp_factor
+    log_ratio = z + (lp - lp.detach())  # carrier: value 0, gradient d logp (times A = 0 where masked)
+    surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
+    loss = -aggregate_tokens(weighted(surrogate, token_weights(weights, x)), x, aggregation, constant=constant,
+                             denominator=denominator)
+    metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     return LossResult(loss, metrics)
 
 

@@ -16,11 +16,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import _log_bound, policy_metrics
+from ..diagnostics import _log_bound
 from ..types import LossResult
-from .reinforce import _prepare
+from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 
 
 def _clip_bounds(eps_low: float, eps_high: Optional[float]) -> Tuple[float, float, float, float]:
@@ -31,6 +29,9 @@ def _clip_bounds(eps_low: float, eps_high: Optional[float]) -> Tuple[float, floa
     return float(eps_low), float(eps_high), lo_b, hi_b
 
 
+_FAR = 1e4  # a log-ratio bound that never binds (e^{1e4} overflows every float dtype)
+
+
 def _clipped_surrogate(
     log_ratio: torch.Tensor,
     adv: torch.Tensor,
@@ -39,31 +40,36 @@ def _clipped_surrogate(
     lo_b: float,
     hi_b: float,
     dual_clip: Optional[float] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> torch.Tensor:
     r"""Elementwise PPO surrogate :math:`\min(\rho A,\operatorname{clip}(\rho)A)` (dual-clipped).
 
-    ``log_ratio`` (attached) and ``adv`` (detached) are sanitized tensors of one shape.
-    Returns the surrogate (to maximize) and the boolean regions where it is constant
-    (``sat_high``: :math:`A>0,\rho>1+\epsilon_h`; ``sat_low``: :math:`A<0,\rho<1-\epsilon_l`;
-    ``dual``: :math:`A<0,\rho>c`).
+    ``log_ratio`` (attached) and ``adv`` (detached) are finite tensors of one shape.
+    Written as :math:`A\,e^{\operatorname{clamp}(z,\,l_A,\,u_A)}` with per-token log
+    bounds chosen by the sign of :math:`A`:
+
+    * :math:`A\ge0`: :math:`u=\log(1+\epsilon_h)`, no lower bound — for :math:`A>0` this
+      is §8's first table; for :math:`A=0` the value and the gradient are 0 either way, and
+      the bound keeps :math:`e^{z}` finite;
+    * :math:`A<0`: :math:`l=\log(1-\epsilon_l)`, and :math:`u=\log c` with a dual clip.
+
+    ``clamp`` passes the gradient at equality, so a ratio exactly on a bound is active
+    (the §8 convention: :math:`\rho A` for :math:`\rho\le1+\epsilon_h` when
+    :math:`A>0`, for :math:`\rho\ge1-\epsilon_l` when :math:`A<0`). Outside the bounds
+    the surrogate is the constant :math:`(1+\epsilon_h)A`, :math:`(1-\epsilon_l)A` or
+    :math:`cA` (computed as :math:`Ae^{\log(\cdot)}`, equal up to one rounding) with
+    gradient 0, and the ratio is never formed beyond the bound, so no ``0 * inf`` arises.
+    Only arithmetic is used (no ``torch.where``): the bounds are exact because each is
+    ``bound + 0`` where it applies.
     """
-    z = log_ratio.detach()
-    pos = adv > 0
-    neg = adv < 0
-    sat_high = pos & (z > hi_b)
-    sat_low = neg & (z < lo_b)
-    if dual_clip is not None:
-        dual = neg & (z > math.log(dual_clip))
-    else:
-        dual = torch.zeros_like(sat_high)
-    frozen = sat_high | sat_low | dual | (adv == 0)
-    ratio = torch.exp(torch.where(frozen, torch.zeros_like(log_ratio), log_ratio))
-    surrogate = ratio * adv
-    surrogate = torch.where(sat_high, (1.0 + eps_high) * adv, surrogate)
-    surrogate = torch.where(sat_low, (1.0 - eps_low) * adv, surrogate)
-    if dual_clip is not None:
-        surrogate = torch.where(dual, dual_clip * adv, surrogate)
-    return surrogate, {"sat_high": sat_high, "sat_low": sat_low, "dual": dual}
+    with torch.no_grad():
+        negf = torch.sign(adv).clamp_(max=0.0).neg_()  # 1 where A < 0, else 0
+        upper = (negf * _FAR).add_(hi_b)
+        lower = (negf - 1.0).mul_(_FAR).add_(lo_b)
+        if dual_clip is not None:
+            # A < 0: min(upper, log c) = log c exactly; A >= 0: upper
+            upper = torch.minimum(upper, (1.0 - negf).mul_(_FAR).add_(math.log(dual_clip)))
+    z = torch.clamp(log_ratio, min=lower, max=upper)
+    return adv * torch.exp(z)
 
 
 def _check_dual_clip(dual_clip: Optional[float]) -> Optional[float]:
@@ -84,6 +90,7 @@ def ppo_clip_loss(
     eps_low: float = 0.2,
     eps_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -125,6 +132,9 @@ def ppo_clip_loss(
       eps_low: lower clip :math:`\epsilon_l\in(0,1]`.
       eps_high: upper clip :math:`\epsilon_h>0`; default ``eps_low``.
       dual_clip: :math:`c>1`, or ``None`` for no dual clip.
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the §8/§23 code: ``masked_mean``; also DAPO's
         token-level loss). GRPO's paper uses ``"seq_mean_token_mean"``.
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -135,16 +145,21 @@ def ppo_clip_loss(
       of :math:`\mathrm{KL}(\pi_{old}\Vert\pi_\theta)`, ``tokens``) plus
       ``clip_frac/dual`` (fraction of valid tokens dual-clipped; 0 without dual clip).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     c = _check_dual_clip(dual_clip)
-    log_ratio = _checks.fill_masked(x.logp - x.behaviour, x.mask)
-    surrogate, regions = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b, c)
-    loss = aggregate(-surrogate, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(log_ratio.detach(), x.advantages, x.mask, eps_low=eps_low, eps_high=eps_high)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    log_ratio = x.log_ratio()  # exactly 0 at masked positions
+    surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b, c)
+    loss = -aggregate_tokens(weighted(surrogate, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    z = log_ratio.detach()
+    metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     with torch.no_grad():
-        n = x.mask.sum().clamp_min(1)
-        metrics["clip_frac/dual"] = (regions["dual"] & x.mask).sum().to(metrics["tokens"].dtype) / n
+        dt = metrics["tokens"].dtype
+        if c is None:
+            metrics["clip_frac/dual"] = torch.zeros((), dtype=dt, device=z.device)
+        else:
+            dual = (x.advantages < 0) & (z > math.log(c))
+            metrics["clip_frac/dual"] = torch.count_nonzero(dual).to(dt) / metrics["tokens"].clamp_min(1)
     return LossResult(loss, metrics)
 
 

@@ -1,7 +1,7 @@
 r"""REINFORCE: the likelihood-ratio policy gradient as a loss (spec §2, §4, §5).
 
-Also holds the input preparation shared by every policy loss in this package: validate,
-detach the evidence, and zero the masked slots *before* any nonlinear operation.
+Input preparation shared by every policy loss (validate, detach the evidence, zero the
+masked slots *before* any nonlinear operation) lives in :mod:`._common`.
 """
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _checks
-from ..aggregate import MODES, aggregate
 from ..types import LossResult
+from ._common import aggregate_tokens, prepare, token_weights, valid_sum, weighted
 
 
 class _Inputs(NamedTuple):
@@ -21,37 +20,11 @@ class _Inputs(NamedTuple):
     behaviour: Optional[torch.Tensor]  # [B, L] detached, 0 at masked positions
 
 
-def _prepare(
-    logp,
-    mask,
-    advantages,
-    *,
-    aggregation: str,
-    behaviour=None,
-    behaviour_name: Optional[str] = None,
-) -> _Inputs:
-    """Validate and sanitize the inputs of a policy loss (see module docstring)."""
-    _checks.check_choice("aggregation", aggregation, MODES)
-    logp = _checks.as_tensor("logp", logp)
-    _checks.check_ndim("logp", logp, 2)
-    _checks.check_floating("logp", logp)
-    mask = _checks.check_mask("mask", mask, logp.shape)
-    shape = tuple(logp.shape)
-    logp = _checks.per_token("logp", logp, shape, mask)
-    adv = _checks.as_tensor("advantages", advantages).detach()
-    _checks.check_ndim("advantages", adv, (1, 2))
-    adv = _checks.per_token("advantages", adv, shape, mask, allow_per_sequence=True)
-    beh = None
-    if behaviour_name is not None:
-        if behaviour is None:
-            raise ValueError(f"{behaviour_name}: required, got None")
-        beh = _checks.as_tensor(behaviour_name, behaviour).detach()
-        beh = _checks.per_token(behaviour_name, beh, shape, mask)
-    return _Inputs(logp, mask, adv, beh)
-
-
-def _token_count(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return mask.sum().to(dtype)
+def _prepare(logp, mask, advantages, *, aggregation: str, behaviour=None, behaviour_name: Optional[str] = None):
+    """Validated inputs with every tensor zeroed at masked slots (kept for modules that use it;
+    the losses here use :func:`._common.prepare`, which forms these only on demand)."""
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=behaviour, behaviour_name=behaviour_name)
+    return _Inputs(x.logp, x.mask, x.advantages, x.behaviour)
 
 
 def reinforce_loss(
@@ -59,6 +32,7 @@ def reinforce_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -83,6 +57,9 @@ def reinforce_loss(
       logp: ``[B, L]`` log-probs of the target tokens under the trained policy (attached).
       advantages: ``[B, L]`` per token or ``[B]`` per sequence (broadcast); detached here.
       mask: ``[B, L]`` 0/1, 1 = action token sampled by the policy (§4).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: see :mod:`trajgrad.aggregate`. Default ``"token_mean"``: the §4 code
         (``sum / action_mask.sum()``), every action token weighs the same.
       constant: :math:`C` for ``"seq_sum_constant"``.
@@ -92,16 +69,16 @@ def reinforce_loss(
       ``LossResult(loss, metrics)``; metrics ``tokens``, ``advantage/mean``,
       ``logp/mean`` (valid-token means, detached).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation)
-    term = -x.advantages * x.logp
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
+    x = prepare(logp, mask, advantages, aggregation=aggregation)
+    term = x.advantages * x.logp_factor  # the negation is applied to the scalar
+    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
-        n = _token_count(x.mask, x.logp.dtype)
+        n = x.tokens
         d = n.clamp_min(1)
         metrics = {
             "tokens": n,
             "advantage/mean": x.advantages.sum() / d,
-            "logp/mean": x.logp.detach().sum() / d,
+            "logp/mean": valid_sum(x.raw_logp.detach(), x) / d,
         }
     return LossResult(loss, metrics)
 

@@ -12,11 +12,9 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import policy_metrics
 from ..types import LossResult
+from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 from .ppo import _clip_bounds
-from .reinforce import _prepare
 
 RATIO_GRADIENTS = ("detached", "attached")
 
@@ -30,6 +28,7 @@ def sao_dis_loss(
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     ratio_gradient: str = "detached",
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -85,6 +84,9 @@ def sao_dis_loss(
         0.3 / 5.0 are the paper's reasoning setting (coding: 0.8 / 3.0); these wide
         intervals are not PPO clip values.
       ratio_gradient: ``"detached"`` or ``"attached"`` (see above).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the spec's minimal code divides by
         ``action_mask.sum()``; SAO trains token-level with a critic).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -95,28 +97,37 @@ def sao_dis_loss(
       ``trust/accepted``, ``trust/rejected_low`` (:math:`r\le1-\epsilon_l`),
       ``trust/rejected_high`` (:math:`r\ge1+\epsilon_h`), fractions of valid tokens.
     """
-    x = _prepare(
-        logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
-    )
     _checks.check_choice("ratio_gradient", ratio_gradient, RATIO_GRADIENTS)
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    log_ratio = _checks.fill_masked(x.logp - x.behaviour, x.mask)
+    x = prepare(
+        logp, mask, advantages, aggregation=aggregation, behaviour=rollout_logp, behaviour_name="rollout_logp"
+    )
+    log_ratio = x.log_ratio()  # finite, 0 at masked positions
     z = log_ratio.detach()
-    trusted = (z > lo_b) & (z < hi_b) & x.mask
-    # The ratio is formed only where trusted (elsewhere its weight is 0 by selection).
-    ratio = torch.exp(torch.where(trusted, log_ratio, torch.zeros_like(log_ratio)))
-    weight = torch.where(trusted, ratio, torch.zeros_like(ratio))
-    if ratio_gradient == "detached":
-        weight = weight.detach()
-    term = -weight * x.advantages * x.logp
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(z, x.advantages, x.mask)
+    with torch.no_grad():
+        # 1 exactly where lo_b < z (resp. z < hi_b): relu(sign(x)) = 1[x > 0]; masked slots
+        # (z = 0) are trusted, and their A = 0
+        above_low = (z - lo_b).sign_().relu_()
+        trusted_f = (hi_b - z).sign_().relu_().mul_(above_low)
+    # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
+    # rejected token's weight is a finite value times 0.
+    if ratio_gradient == "attached":
+        coef = torch.exp(torch.clamp(log_ratio, max=hi_b)) * (trusted_f * x.advantages)
+    else:
+        with torch.no_grad():
+            coef = torch.clamp(z, max=hi_b).exp_().mul_(trusted_f).mul_(x.advantages)
+    term = coef * x.logp_factor
+    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
-        n = x.mask.sum().clamp_min(1).to(dt)
-        metrics["trust/accepted"] = trusted.sum().to(dt) / n
-        metrics["trust/rejected_low"] = (x.mask & (z <= lo_b)).sum().to(dt) / n
-        metrics["trust/rejected_high"] = (x.mask & (z >= hi_b)).sum().to(dt) / n
+        n = metrics["tokens"].clamp_min(1)
+        n_masked = x.maskf.numel() - metrics["tokens"]
+        accepted = trusted_f.sum().to(dt) - n_masked
+        rej_low = metrics["tokens"] - (above_low.sum().to(dt) - n_masked)  # masked slots are never rejected
+        metrics["trust/accepted"] = accepted / n
+        metrics["trust/rejected_low"] = rej_low / n
+        metrics["trust/rejected_high"] = (metrics["tokens"] - accepted - rej_low) / n
     return LossResult(loss, metrics)
 
 

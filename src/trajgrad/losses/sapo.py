@@ -10,10 +10,11 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..aggregate import aggregate
-from ..diagnostics import policy_metrics
+from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
-from .reinforce import _prepare
+from ._common import (
+    aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
+)
 
 
 def _check_tau(name: str, tau: float) -> float:
@@ -24,6 +25,23 @@ def _check_tau(name: str, tau: float) -> float:
     return t
 
 
+LEVELS = ("token", "sequence")
+
+
+def _gate(log_ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    r""":math:`p=\sigma(\tau(r-1))`, :math:`r=e^z` kept finite.
+
+    ``z`` is clamped at the largest finite exponent (only if some entry exceeds it): beyond
+    it :math:`\sigma` has saturated to 1 in every float dtype, so the value is unchanged and
+    the gradient 0 (the true gradient :math:`4p(1-p)r` has underflowed to 0 long before).
+    """
+    zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
+    if log_ratio.numel() and float(log_ratio.detach().amax()) > zmax:
+        log_ratio = torch.clamp(log_ratio, max=zmax)
+    ratio = torch.exp(log_ratio)
+    return torch.sigmoid((ratio - 1.0).mul_(tau))
+
+
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -32,6 +50,8 @@ def sapo_loss(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
+    level: str = "token",
+    weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
     denominator=None,
@@ -56,6 +76,21 @@ def sapo_loss(
     :math:`\tau`. :math:`\tau_{neg}>\tau_{pos}` by default (the paper's choice: negative
     updates spread probability over the whole vocabulary and are less stable).
 
+    **Sequence level** (``level="sequence"``): the gate is applied to GSPO's
+    geometric-mean ratio :math:`s_i=\exp[\frac1{L_i}\sum_t(\ell^\theta_{i,t}-
+    \ell^{old}_{i,t})]` (§17) with one advantage per response,
+
+    .. math::
+        J_i=f_i(s_i)\hat A_i,\qquad
+        \nabla_\theta J_i=4p_i(1-p_i)\,s_i\hat A_i\,\frac1{L_i}\sum_t\nabla_\theta
+        \ell^\theta_{i,t},\quad p_i=\sigma[\tau_i(s_i-1)]:
+
+    every token of a response gets the same soft-gated weight (the regime where the §18
+    bound says token-level SAPO approximates it: small steps, low within-sequence
+    variance of the log ratio). Advantages must be ``[B]`` or constant per sequence, and
+    the per-token term is :math:`-J_i` at each valid token, so the default
+    ``"seq_mean_token_mean"`` is :math:`-\frac1G\sum_iJ_i`.
+
     **The ratio is NOT detached.** The surrogate has no explicit
     :math:`\log\pi_\theta` factor, so a detached :math:`r` would make the gradient
     exactly zero. Advantages and ``old_logp`` are detached evidence.
@@ -64,8 +99,8 @@ def sapo_loss(
     :math:`\tau` although the gradient does not, so do not compare raw SAPO losses across
     temperatures (§18).
 
-    Where :math:`e^{z}` overflows the gate is exactly 0 and the term is the constant
-    :math:`-\frac4\tau\hat A`; the ratio is then not formed, so no ``0 * inf`` NaN arises.
+    Where :math:`e^{z}` would overflow, :math:`z` is clamped (the gate is exactly 0 there
+    and the term the constant :math:`-\frac4\tau\hat A`), so no ``0 * inf`` NaN arises.
 
     Args:
       logp: ``[B, L]`` current log-probs (attached).
@@ -73,42 +108,69 @@ def sapo_loss(
       advantages: ``[B, L]`` or ``[B]`` (detached here).
       mask: ``[B, L]`` action mask.
       tau_pos, tau_neg: positive temperatures (paper defaults 1.0 / 1.05).
+      level: ``"token"`` (the paper's SAPO, default) or ``"sequence"`` (gate on
+        :math:`s_i`).
+      weights: optional ``[B, L]`` detached multiplier of the per-token term before
+        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's objective above).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
 
     Returns:
-      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` plus
-      ``gate/mean`` (valid-token mean of :math:`4p(1-p)`), ``gate/pos_mean`` and
-      ``gate/neg_mean`` (over tokens with :math:`\hat A>0` / :math:`\hat A\le0`).
+      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` (on
+      tokens, or on sequences for ``level="sequence"``, with ``sequences`` then) plus
+      ``gate/mean`` (mean of :math:`4p(1-p)` over valid tokens, or over non-empty
+      sequences), ``gate/pos_mean`` and ``gate/neg_mean`` (over :math:`\hat A>0` /
+      :math:`\hat A\le0`).
     """
-    x = _prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     tp = _check_tau("tau_pos", tau_pos)
     tn = _check_tau("tau_neg", tau_neg)
-    log_ratio = _checks.fill_masked(x.logp - x.behaviour, x.mask)
-    z = log_ratio.detach()
-    overflow = torch.isinf(torch.exp(z))
-    pos = x.advantages > 0
-    tau = torch.where(pos, torch.full_like(z, tp), torch.full_like(z, tn))
-    ratio = torch.exp(torch.where(overflow, torch.zeros_like(log_ratio), log_ratio))
-    gate_arg = tau * (ratio - 1.0)
-    f = (4.0 / tau) * torch.sigmoid(gate_arg)
-    f = torch.where(overflow, 4.0 / tau, f)
-    term = -f * x.advantages
-    loss = aggregate(term, x.mask, aggregation, constant=constant, denominator=denominator)
-    metrics = policy_metrics(z, x.advantages, x.mask)
+    _checks.check_choice("level", level, LEVELS)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    if level == "sequence":
+        adv = sequence_advantages(x, loss="sequence-level SAPO")  # [B]
+        log_ratio = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)  # [B] attached
+        valid_f = (x.lengths > 0).to(adv.dtype)
+    else:
+        adv = x.advantages
+        log_ratio = x.log_ratio()
+        valid_f = x.maskf
     with torch.no_grad():
-        p = torch.sigmoid(gate_arg.detach())
-        gate = torch.where(overflow, torch.zeros_like(p), 4.0 * p * (1.0 - p))
-        dt = metrics["tokens"].dtype
-
-        def mean_over(sel: torch.Tensor) -> torch.Tensor:
-            sel = sel & x.mask
-            return torch.where(sel, gate, torch.zeros_like(gate)).sum().to(dt) / sel.sum().clamp_min(1).to(dt)
-
-        metrics["gate/mean"] = mean_over(x.mask)
-        metrics["gate/pos_mean"] = mean_over(pos)
-        metrics["gate/neg_mean"] = mean_over(~pos)
+        posf = torch.sign(adv).clamp_(min=0.0)  # 1 where A > 0 (0 at masked slots)
+        tau = (posf * (tp - tn)).add_(tn)  # tau_neg exactly where A <= 0; tau_pos up to one rounding
+        coef = torch.div(adv, tau).mul_(4.0)  # 4 A / tau, detached evidence
+    p = _gate(log_ratio, tau)
+    term = p * coef  # f(r) A; 0 at masked slots / empty rows (A = 0 there); negated on the scalar
+    w = token_weights(weights, x)
+    if level == "sequence":
+        if w is None:
+            loss = -aggregate_sequences(term, x, aggregation, constant=constant, denominator=denominator)
+        else:  # the response term spread over its tokens, each weighted
+            loss = -aggregate_tokens(term[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
+        with torch.no_grad():
+            nonempty = (x.lengths > 0)[:, None]
+            metrics = _fast_policy_metrics(log_ratio.detach()[:, None], adv[:, None], nonempty, valid_f[:, None],
+                                           valid_f.sum())
+        metrics["sequences"] = metrics.pop("tokens")
+        metrics["tokens"] = x.tokens.detach()
+        count = metrics["sequences"]
+    else:
+        loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+        metrics = ratio_metrics(log_ratio.detach(), x)
+        count = metrics["tokens"]
+    with torch.no_grad():
+        pd = p.detach()
+        gate = (1.0 - pd).mul_(pd).mul_(4.0)
+        dt = count.dtype
+        g = gate.reshape(-1).to(dt)
+        pf = posf.reshape(-1).to(dt)
+        n_pos = pf.sum()
+        g_all = torch.dot(g, valid_f.reshape(-1).to(dt))
+        g_pos = torch.dot(g, pf)
+        metrics["gate/mean"] = g_all / count.clamp_min(1)
+        metrics["gate/pos_mean"] = g_pos / n_pos.clamp_min(1)
+        metrics["gate/neg_mean"] = (g_all - g_pos) / (count - n_pos).clamp_min(1)
     return LossResult(loss, metrics)
 
 
-__all__ = ["sapo_loss"]
+__all__ = ["sapo_loss", "LEVELS"]

@@ -1,0 +1,382 @@
+r"""Rollout correction: importance weights and masks for the sampler–learner mismatch (spec §7, §16).
+
+Three log-probabilities of each sampled token meet in an update:
+
+* **behaviour** :math:`\mu` — recorded by the engine that sampled, under its own sampling
+  transform (``behaviour_logp``);
+* **proximal / old** :math:`\pi_{old}` — recomputed by the trainer before the update, with
+  the same weights but the learner's kernels, precision and routing (``old_logp``);
+* **current** :math:`\pi_\theta` — the log-probs being differentiated (``logp``).
+
+§7: "If MoE routing differs between rollout and learner, the numerator is not the
+probability of the same computation." Even with identical weights,
+:math:`\pi_{old}\ne\mu`. A correction weight :math:`w` re-weights (or drops) each token so
+that the update estimates the gradient under the learner's policy.
+
+**Two modes.**
+
+* ``"decoupled"`` (Hilton et al. 2021, "Batch size-invariance for policy optimization";
+  verl's rollout correction): the recipe's ratio is taken against the *proximal* policy,
+  :math:`\pi_\theta/\pi_{old}` (clipped as the recipe says), and each token's term is
+  multiplied by the detached correction weight computed from
+  :math:`\rho=\pi_{old}/\mu`:
+
+  .. math:: \mathcal L=-\operatorname{agg}_t\ \mathrm{sg}[w_t]\;s_t\big(\pi_\theta/\pi_{old}\big).
+
+  Pass ``target_logp = old_logp``.
+* ``"bypass"``: no proximal recompute; the recipe's ratio is taken directly against the
+  behaviour log-probs, :math:`\pi_\theta/\mu`, so the ratio already carries the
+  correction. Only masks apply (MIS bounds, rejection, sequence masking), computed from
+  :math:`\rho=\mathrm{sg}[\pi_\theta]/\mu`; the weight is the 0/1 keep mask. Truncated IS
+  (``kind="tis"``) is refused in this mode (its weight would count
+  :math:`\pi_\theta/\mu` twice). Pass ``target_logp = logp`` (detached here).
+
+**Weights** (``kind``, ``level``), with :math:`z_t=\log\rho_t` at valid tokens:
+
+=========  ===========  ======================================================================
+kind       level        weight of token :math:`t` of sequence :math:`i`
+=========  ===========  ======================================================================
+``tis``    token        :math:`\min(\rho_t, C)` (truncated IS; Ionides 2008; Yao et al. 2025,
+                        "Your efficient RL framework secretly brings you off-policy RL")
+``tis``    sequence     :math:`\min(\prod_t\rho_t, C)`, the same for every token of :math:`i`
+``mis``    token        :math:`\rho_t\,\mathbb 1[a\le\rho_t\le b]` (masked IS; IcePop, Ling
+                        team 2025, bounds :math:`[0.5, 5]`)
+``mis``    sequence     :math:`\rho_i\,\mathbb 1[a\le\rho_i\le b]`, :math:`\rho_i=\prod_t\rho_t`
+``mis``    geometric    :math:`\bar\rho_i\,\mathbb 1[a\le\bar\rho_i\le b]`,
+                        :math:`\bar\rho_i=\exp(\frac1{L_i}\sum_tz_t)` (GSPO's geometric mean,
+                        §17: a length-normalized weight, not an unbiased IS weight)
+``none``   —            1 (only the masks below)
+=========  ===========  ======================================================================
+
+Sequence products are formed in log space (:math:`\min(\rho,C)=e^{\min(z,\log C)}`), so
+long responses neither overflow nor underflow to NaN. In bypass mode every weight is
+replaced by its keep indicator.
+
+**Rejection** (``reject`` = ``"k1"``/``"k2"``/``"k3"``, ``reject_threshold`` :math:`\kappa`):
+the per-token sampled estimate of :math:`\mathrm{KL}(\mu\Vert\pi)` —
+:math:`k_1=-z`, :math:`k_2=\frac12z^2`, :math:`k_3=e^{z}-1-z` (Schulman, "Approximating KL
+divergence") — is compared with :math:`\kappa`: per token (``reject_level="token"``), or
+its mean over the sequence (``"sequence"``, default: the whole response is dropped).
+
+**Off-policy sequence masking** (DeepSeek-V3.2, ``seq_mask_delta`` :math:`\delta`): a
+response with :math:`\hat A_i<0` whose mismatch
+:math:`\frac1{L_i}\sum_t(\log\mu_t-\log\pi_t)>\delta` is dropped (negative updates on
+samples the learner would not have produced are the destabilizing ones). The paper
+measures it against the current policy: use bypass mode, or decoupled mode where the
+proximal policy equals the current one at the first step of each update.
+
+**Numerator and denominator.** A masked or rejected token has weight 0: it leaves the
+*numerator*. It stays in the *denominator* when the caller aggregates with the original
+action mask (the verl/IcePop convention: the average is still over every sampled token,
+the dropped ones contribute 0). To remove dropped tokens from the denominator as well,
+aggregate over ``correction.keep`` instead of ``mask`` (:meth:`Correction.denominator_mask`).
+
+All outputs are detached: the correction is evidence, not a parameter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _checks
+
+KINDS = ("tis", "mis", "none")
+LEVELS = ("token", "sequence", "geometric")
+MODES = ("decoupled", "bypass")
+REJECT = ("k1", "k2", "k3")
+REJECT_LEVELS = ("token", "sequence")
+
+
+class Correction(NamedTuple):
+    """Result of :func:`rollout_correction`.
+
+    Attributes:
+      weight: ``[B, L]`` detached weight; 0 at masked, masked-IS and rejected positions.
+      keep: ``[B, L]`` bool, ``mask`` and not dropped.
+      metrics: dict of detached 0-D tensors (prefix ``correction/``).
+    """
+
+    weight: torch.Tensor
+    keep: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+    def apply(self, per_token: torch.Tensor) -> torch.Tensor:
+        """``per_token * weight`` by selection: dropped and masked slots become exactly 0."""
+        return torch.where(self.keep, per_token * self.weight.to(per_token.dtype), torch.zeros_like(per_token))
+
+    def denominator_mask(self) -> torch.Tensor:
+        """The mask to aggregate with if dropped tokens should leave the denominator too."""
+        return self.keep
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """A rollout-correction setting (see the module docstring); ``None`` fields are off.
+
+    Attributes:
+      kind: ``"tis"`` | ``"mis"`` | ``"none"``.
+      level: ``"token"`` | ``"sequence"`` | ``"geometric"`` (``mis`` only).
+      cap: TIS cap :math:`C>0` (default 2, Yao et al.).
+      bounds: MIS bounds :math:`0\\le a<b` (default IcePop's ``(0.5, 5.0)``).
+      reject: ``"k1"`` | ``"k2"`` | ``"k3"`` or ``None``; ``reject_threshold`` :math:`\\kappa`.
+      reject_level: ``"sequence"`` (default) or ``"token"``.
+      seq_mask_delta: DeepSeek-V3.2 :math:`\\delta` or ``None``.
+      mode: ``"decoupled"`` (default) or ``"bypass"``.
+    """
+
+    kind: str = "tis"
+    level: str = "token"
+    cap: float = 2.0
+    bounds: Tuple[float, float] = (0.5, 5.0)
+    reject: Optional[str] = None
+    reject_threshold: Optional[float] = None
+    reject_level: str = "sequence"
+    seq_mask_delta: Optional[float] = None
+    mode: str = "decoupled"
+
+    def __post_init__(self):
+        validate(self)
+
+    def __bool__(self) -> bool:
+        """False for the no-op setting (no weight, no mask, decoupled): the correction is off."""
+        return not (self.kind == "none" and self.mode == "decoupled" and self.reject is None
+                    and self.seq_mask_delta is None)
+
+    @classmethod
+    def coerce(cls, value) -> "RolloutCorrection":
+        """``None`` (off), a :class:`RolloutCorrection`, or a dict of its fields (a config's
+        ``recipe.overrides.rollout_correction``)."""
+        if value is None:
+            return OFF
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            names = {f for f in cls.__dataclass_fields__}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ValueError(f"rollout_correction: unknown key {unknown[0]!r} (keys: {', '.join(sorted(names))})")
+            v = dict(value)
+            if "bounds" in v and isinstance(v["bounds"], list):
+                v["bounds"] = tuple(v["bounds"])
+            return cls(**v)
+        raise ValueError(f"rollout_correction: must be None, a RolloutCorrection or a dict of its fields, "
+                         f"got {value!r}")
+
+    def __call__(self, behaviour_logp, target_logp, mask, *, advantages=None) -> Correction:
+        return rollout_correction(
+            behaviour_logp, target_logp, mask, advantages=advantages, kind=self.kind, level=self.level,
+            cap=self.cap, bounds=self.bounds, reject=self.reject, reject_threshold=self.reject_threshold,
+            reject_level=self.reject_level, seq_mask_delta=self.seq_mask_delta, mode=self.mode,
+        )
+
+    def describe(self) -> str:
+        """One line for ``explain``."""
+        if not self:
+            return "off"
+        if self.kind == "tis":
+            w = f"truncated IS min(rho, {self.cap:g}) at {self.level} level"
+        elif self.kind == "mis":
+            a, b = self.bounds
+            w = f"masked IS rho*1[{a:g} <= rho <= {b:g}] at {self.level} level"
+        else:
+            w = "no weight"
+        rho = "rho = pi_old/mu" if self.mode == "decoupled" else "rho = sg(pi_theta)/mu, weight = keep mask"
+        parts = [f"{self.mode}: {w}; {rho}"]
+        if self.reject is not None:
+            parts.append(f"reject {self.reject_level}s with {self.reject} > {self.reject_threshold:g}")
+        if self.seq_mask_delta is not None:
+            parts.append(f"drop A<0 sequences with mean(log mu - log pi) > {self.seq_mask_delta:g}")
+        return "; ".join(parts) + "; dropped tokens stay in the denominator"
+
+
+def _finite_number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return v
+
+
+def validate(c: "RolloutCorrection") -> None:
+    _checks.check_choice("kind", c.kind, KINDS)
+    _checks.check_choice("level", c.level, LEVELS)
+    _checks.check_choice("mode", c.mode, MODES)
+    _checks.check_choice("reject_level", c.reject_level, REJECT_LEVELS)
+    if c.kind == "tis":
+        if c.level == "geometric":
+            raise ValueError("level: truncated IS takes 'token' or 'sequence' (a geometric mean is not an IS weight)")
+        _checks.check_positive("cap", _finite_number("cap", c.cap))
+        if c.mode == "bypass":
+            raise ValueError("mode: truncated IS needs 'decoupled' (in bypass mode the ratio already carries pi/mu)")
+    if c.kind == "mis":
+        try:
+            a, b = c.bounds
+        except (TypeError, ValueError):
+            raise ValueError(f"bounds: expected (low, high), got {c.bounds!r}") from None
+        a, b = _finite_number("bounds", a), _finite_number("bounds", b)
+        if not (0.0 <= a < b):
+            raise ValueError(f"bounds: need 0 <= low < high, got ({a}, {b})")
+    if c.reject is not None:
+        _checks.check_choice("reject", c.reject, REJECT)
+        if c.reject_threshold is None:
+            raise ValueError("reject_threshold: required when reject is set")
+        _checks.check_positive("reject_threshold", _finite_number("reject_threshold", c.reject_threshold))
+    elif c.reject_threshold is not None:
+        raise ValueError("reject_threshold: given without reject ('k1', 'k2' or 'k3')")
+    if c.seq_mask_delta is not None:
+        _checks.check_positive("seq_mask_delta", _finite_number("seq_mask_delta", c.seq_mask_delta), allow_zero=True)
+
+
+def rollout_correction(
+    behaviour_logp: torch.Tensor,
+    target_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    advantages: Optional[torch.Tensor] = None,
+    kind: str = "tis",
+    level: str = "token",
+    cap: float = 2.0,
+    bounds: Tuple[float, float] = (0.5, 5.0),
+    reject: Optional[str] = None,
+    reject_threshold: Optional[float] = None,
+    reject_level: str = "sequence",
+    seq_mask_delta: Optional[float] = None,
+    mode: str = "decoupled",
+) -> Correction:
+    r"""Detached rollout-correction weights and keep mask (see the module docstring for the formulas).
+
+    Args:
+      behaviour_logp: ``[B, L]`` log-probs recorded at sampling, :math:`\log\mu`.
+      target_logp: ``[B, L]`` :math:`\log\pi_{old}` (decoupled) or the current
+        :math:`\log\pi_\theta` (bypass); detached here.
+      mask: ``[B, L]`` action mask.
+      advantages: ``[B]`` or ``[B, L]`` (sign of the first valid token per sequence is
+        used); required with ``seq_mask_delta``.
+      kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode:
+        see :class:`RolloutCorrection`.
+
+    Returns:
+      :class:`Correction` ``(weight, keep, metrics)``. Metrics (``correction/`` prefix):
+      ``weight/mean|min|max`` (over valid tokens, dropped ones at 0), ``ess`` (Kish
+      effective sample size of the weights divided by the number of valid tokens, in
+      :math:`(0, 1]`), ``truncated_frac`` (TIS: :math:`\rho>C`), ``masked_frac`` (MIS bounds),
+      ``rejected_frac`` (divergence threshold), ``seq_masked_frac`` (DeepSeek-V3.2), all
+      fractions of valid tokens, ``kept_frac``, and the mismatch ``kl/k1``
+      :math:`=\overline{-z}` and ``kl/k3`` :math:`=\overline{e^z-1-z}` of
+      :math:`\mathrm{KL}(\mu\Vert\pi)` over valid tokens.
+    """
+    cfg = RolloutCorrection(kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode)
+    beh = _checks.as_tensor("behaviour_logp", behaviour_logp).detach()
+    _checks.check_ndim("behaviour_logp", beh, 2)
+    _checks.check_floating("behaviour_logp", beh)
+    mb = _checks.check_mask("mask", mask, beh.shape)
+    beh = _checks.per_token("behaviour_logp", beh, beh.shape, mb)
+    tgt = _checks.as_tensor("target_logp", target_logp).detach()
+    tgt = _checks.per_token("target_logp", tgt, beh.shape, mb)
+    dt = torch.promote_types(beh.dtype, tgt.dtype)
+    if dt not in (torch.float32, torch.float64):
+        dt = torch.float32
+    z = (tgt.to(dt) - beh.to(dt))  # 0 at masked positions
+    with torch.no_grad():
+        mf = mb.to(dt)
+        lengths = mf.sum(-1)
+        nonempty = lengths > 0
+        n = lengths.sum()
+        d = n.clamp_min(1.0)
+        zero_b = torch.zeros(beh.shape, dtype=torch.bool, device=beh.device)
+        seq_z = z.sum(-1)  # log prod rho
+        geo_z = seq_z / lengths.clamp_min(1.0)
+        truncated = masked = rejected = seq_masked = zero_b
+
+        # weights (decoupled) -------------------------------------------------------
+        if cfg.kind == "tis":
+            log_c = math.log(cfg.cap)
+            zz = z if cfg.level == "token" else seq_z[:, None].expand_as(z)
+            truncated = (zz > log_c) & mb
+            weight = torch.exp(torch.clamp(zz, max=log_c))
+        elif cfg.kind == "mis":
+            a, b = (float(v) for v in cfg.bounds)
+            log_a = math.log(a) if a > 0 else -math.inf
+            log_b = math.log(b)
+            test = {"token": z, "sequence": seq_z[:, None].expand_as(z), "geometric": geo_z[:, None].expand_as(z)}[
+                cfg.level
+            ]
+            inside = (test >= log_a) & (test <= log_b)
+            masked = ~inside & mb
+            # the weight is the tested ratio itself; inside the bounds it is at most b, and
+            # the clamp only keeps e^z finite where the token is dropped anyway
+            weight = torch.exp(torch.clamp(test, max=log_b))
+            weight = torch.where(inside, weight, torch.zeros_like(weight))
+        else:
+            weight = torch.ones_like(z)
+
+        # rejection on a divergence estimate ---------------------------------------
+        if cfg.reject is not None:
+            if cfg.reject == "k1":
+                k = -z
+            elif cfg.reject == "k2":
+                k = 0.5 * z * z
+            else:
+                k = torch.expm1(z) - z
+            if cfg.reject_level == "token":
+                rejected = (k > float(cfg.reject_threshold)) & mb
+            else:
+                seq_k = (k * mf).sum(-1) / lengths.clamp_min(1.0)
+                rejected = (seq_k > float(cfg.reject_threshold))[:, None] & mb
+
+        # DeepSeek-V3.2 off-policy sequence masking ----------------------------------
+        if cfg.seq_mask_delta is not None:
+            if advantages is None:
+                raise ValueError("advantages: required with seq_mask_delta (only A < 0 sequences are masked)")
+            adv = _checks.as_tensor("advantages", advantages).detach()
+            _checks.check_ndim("advantages", adv, (1, 2))
+            adv = _checks.per_token("advantages", adv, beh.shape, mb, allow_per_sequence=True)
+            first = mb.to(torch.int8).argmax(-1) if beh.shape[-1] else torch.zeros(beh.shape[0], dtype=torch.long)
+            seq_adv = adv.gather(1, first[:, None]).squeeze(1) if beh.shape[-1] else adv.new_zeros(beh.shape[0])
+            mismatch = -geo_z  # mean(log mu - log pi)
+            drop = (seq_adv < 0) & (mismatch > float(cfg.seq_mask_delta)) & nonempty
+            seq_masked = drop[:, None] & mb
+
+        keep = mb & ~masked & ~rejected & ~seq_masked
+        if cfg.mode == "bypass":
+            weight = keep.to(dt)
+        else:
+            weight = torch.where(keep, weight, torch.zeros_like(weight))
+
+        def frac(sel: torch.Tensor) -> torch.Tensor:
+            return sel.sum().to(dt) / d
+
+        has = n > 0
+        one = torch.ones((), dtype=dt, device=z.device)
+        big = torch.full_like(weight, math.inf)
+        wmin = torch.where(mb, weight, big).amin() if weight.numel() else one
+        wmax = torch.where(mb, weight, -big).amax() if weight.numel() else one
+        w_sum = weight.sum()
+        w_sq = (weight * weight).sum()
+        ess = torch.where(w_sq > 0, w_sum * w_sum / w_sq.clamp_min(torch.finfo(dt).tiny) / d, torch.zeros((), dtype=dt))
+        metrics = {
+            "correction/weight/mean": torch.where(has, w_sum / d, one),
+            "correction/weight/min": torch.where(has, wmin, one),
+            "correction/weight/max": torch.where(has, wmax, one),
+            "correction/ess": torch.where(has, ess, one),
+            "correction/truncated_frac": frac(truncated),
+            "correction/masked_frac": frac(masked),
+            "correction/rejected_frac": frac(rejected),
+            "correction/seq_masked_frac": frac(seq_masked),
+            "correction/kept_frac": torch.where(has, frac(keep), one),
+            "correction/kl/k1": -z.sum() / d,
+            "correction/kl/k3": (torch.expm1(z) - z).sum() / d,
+        }
+    return Correction(weight.detach(), keep, metrics)
+
+
+OFF = RolloutCorrection(kind="none")  # the no-op setting: Objective's default ("None = off")
+
+__all__ = ["OFF", "Correction", "RolloutCorrection", "rollout_correction", "KINDS", "LEVELS", "MODES", "REJECT"]

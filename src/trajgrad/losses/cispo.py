@@ -1,0 +1,100 @@
+r"""CISPO: clip the importance-sampling *weight*, keep every token's gradient (spec §7, §8).
+
+MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+Attention" (arXiv:2506.13585), §3.1.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..diagnostics import _log_bound
+from ..types import LossResult
+from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: Optional[float] = None,
+    eps_high: float = 0.28,
+    weights: Optional[torch.Tensor] = None,
+    aggregation: str = "token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""CISPO loss: a detached, clipped IS weight times the log-prob (MiniMax-M1).
+
+    With :math:`r_{i,t}=\exp(\ell^\theta_{i,t}-\ell^{old}_{i,t})` and
+    :math:`\hat r_{i,t}=\operatorname{clip}(r_{i,t},\,1-\epsilon_l,\,1+\epsilon_h)`:
+
+    .. math::
+        J=\frac{1}{\sum_i|o_i|}\sum_i\sum_t\mathrm{sg}[\hat r_{i,t}]\,\hat A_{i,t}\,
+        \ell^\theta_{i,t},\qquad \mathcal L=-J,\qquad
+        \nabla_\theta\mathcal L=-\frac{1}{\sum_i|o_i|}\sum_{i,t}\hat r_{i,t}\hat A_{i,t}
+        \nabla_\theta\ell^\theta_{i,t}.
+
+    Unlike PPO (§8), *no token loses its gradient*: a token whose ratio left the range
+    keeps a gradient weighted by the boundary value instead of 0 (PPO zeroes
+    :math:`A>0,\rho>1+\epsilon_h` and :math:`A<0,\rho<1-\epsilon_l`). MiniMax's motivation:
+    rare "fork" tokens (*However*, *Wait*) get large ratios after one update and PPO drops
+    them for the rest of the batch.
+
+    Conventions (the paper's):
+
+    * the weight is stop-gradient (the loss is a REINFORCE-style surrogate; its value is
+      not an objective estimate);
+    * **no lower bound by default** (``eps_low=None``): "we did not impose a lower bound
+      on the IS weight"; only :math:`\epsilon_h` is tuned. The paper does not publish
+      :math:`\epsilon_h`; the default 0.28 is DAPO's clip-higher value, a common choice;
+    * token-level normalization :math:`1/\sum_i|o_i|` (``"token_mean"``).
+
+    The clip is applied in log space, :math:`\hat r=\exp(\operatorname{clamp}(z,
+    \log(1-\epsilon_l),\log(1+\epsilon_h)))`, so an overflowing ratio is never formed.
+
+    Args:
+      logp: ``[B, L]`` current log-probs (attached).
+      old_logp: ``[B, L]`` log-probs of the policy the ratio is taken against (detached).
+      advantages: ``[B, L]`` or ``[B]`` (detached).
+      mask: ``[B, L]`` action mask.
+      eps_low: lower clip :math:`\epsilon_l\in(0,1]`, or ``None`` for none (default).
+      eps_high: upper clip :math:`\epsilon_h>0`.
+      weights: optional ``[B, L]`` detached multiplier of the per-token term (e.g. a
+        rollout correction); a weight-0 token keeps its place in the denominator.
+      aggregation: default ``"token_mean"`` (the paper's).
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` (ratio
+      statistics, KL of old vs current) plus ``weight/clipped_high`` and
+      ``weight/clipped_low`` (fractions of valid tokens whose weight was clipped) and
+      ``weight/mean``.
+    """
+    lo_b = -math.inf if eps_low is None else _log_bound("eps_low", eps_low, "low")
+    hi_b = _log_bound("eps_high", eps_high, "high")
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    w = token_weights(weights, x)
+    with torch.no_grad():
+        z = x.log_ratio().detach()  # 0 at masked positions
+        r_hat = torch.clamp(z, min=lo_b, max=hi_b).exp_()
+        r_sum = torch.dot(r_hat.reshape(-1), x.maskf.reshape(-1))
+        coef = r_hat.mul_(x.advantages)
+    term = coef * x.logp_factor  # the negation is applied to the scalar
+    loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x)
+    with torch.no_grad():
+        dt = metrics["tokens"].dtype
+        n = metrics["tokens"].clamp_min(1)
+        metrics["weight/clipped_high"] = (z - hi_b).sign_().relu_().sum().to(dt) / n  # count of z > hi_b
+        zero = torch.zeros((), dtype=dt, device=z.device)
+        metrics["weight/clipped_low"] = (lo_b - z).sign_().relu_().sum().to(dt) / n if lo_b > -math.inf else zero
+        metrics["weight/mean"] = r_sum.to(dt) / n
+    return LossResult(loss, metrics)
+
+
+__all__ = ["cispo_loss"]

@@ -1,0 +1,124 @@
+r"""GMPO: maximize the geometric mean of token-clipped surrogates (spec §8, §17).
+
+Zhao et al., 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..diagnostics import _fast_policy_metrics
+from ..types import LossResult
+from ._common import aggregate_sequences, aggregate_tokens, prepare, sequence_advantages, token_weights
+
+_FAR = 1e4
+
+
+def _check_log_clip(name: str, value: float) -> float:
+    v = float(value)
+    if not (v > 0.0) or v != v or v == float("inf"):
+        raise ValueError(f"{name}: must be a finite positive log-space clip, got {value}")
+    return v
+
+
+def gmpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    weights: Optional[torch.Tensor] = None,
+    aggregation: str = "seq_mean_token_mean",
+    constant: Optional[float] = None,
+    denominator=None,
+) -> LossResult:
+    r"""GMPO loss: the geometric mean of PPO-clipped token ratios, clipped in log space.
+
+    GMPO maximizes, per response :math:`i` with one advantage :math:`\hat A_i`,
+
+    .. math::
+        J_i=\Big\{\prod_t\big|\min\big(r_{i,t}\hat A_i,\ \operatorname{clip}(r_{i,t},
+        e^{-c_l},e^{c_h})\hat A_i\big)\big|\Big\}^{1/L_i}\operatorname{sign}(\hat A_i)
+        =\hat A_i\exp\Big(\frac1{L_i}\sum_t\tilde z_{i,t}\Big),
+
+    where :math:`z=\ell^\theta-\ell^{old}` and the clipping is **per token, in log space,
+    by the sign of the advantage** (the paper's token-level clipping, §3):
+
+    .. math::
+        \tilde z_{i,t}=\operatorname{sign}(\hat A_i)\min\big(\operatorname{sign}(\hat A_i)
+        z_{i,t},\ \operatorname{sign}(\hat A_i)\operatorname{clamp}(z_{i,t},-c_l,c_h)\big),
+
+    i.e. :math:`\tilde z=\min(z,c_h)` for :math:`\hat A>0` and :math:`\tilde z=\max(z,-c_l)`
+    for :math:`\hat A<0`, like §8's tables but on :math:`\log r`. The loss is
+    :math:`-\frac1G\sum_iJ_i` (default ``"seq_mean_token_mean"``). Gradient, with
+    :math:`s_i=\exp(\frac1{L_i}\sum_t\tilde z_{i,t})`:
+
+    .. math::
+        \nabla_\theta J_i=\hat A_i\,s_i\,\frac1{L_i}\sum_t\mathbb 1[\text{token }t
+        \text{ not clipped}]\ \nabla_\theta\ell^\theta_{i,t}:
+
+    every unclipped token of a response gets the same weight :math:`\hat A_is_i/L_i`
+    (like GSPO, §17), but an outlier token is clipped *alone* rather than silencing the
+    whole response, and the geometric mean is far less sensitive to one extreme ratio
+    than the arithmetic mean of GRPO. A ratio exactly on a bound is active (§8). The
+    paper's default range is :math:`(e^{-0.4}, e^{0.4})`.
+
+    Args:
+      logp: ``[B, L]`` current log-probs (attached).
+      old_logp: ``[B, L]`` old log-probs (detached).
+      advantages: ``[B]`` or ``[B, L]`` constant per response (detached).
+      mask: ``[B, L]`` action mask.
+      clip_low, clip_high: :math:`c_l, c_h>0`, bounds on :math:`\log r` (paper: 0.4).
+      weights: optional ``[B, L]`` detached per-token multiplier (e.g. a rollout
+        correction). With weights the response term is spread over its tokens,
+        :math:`-w_{i,t}J_i` at each valid token, and aggregated per token.
+      aggregation: default ``"seq_mean_token_mean"`` (:math:`\frac1G\sum_i`).
+      constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
+
+    Returns:
+      ``LossResult``; metrics: ``clip_frac`` (valid tokens whose log ratio was clipped),
+      ``clip_frac/pos_high`` / ``clip_frac/neg_low`` (by side), the
+      :func:`trajgrad.diagnostics.policy_metrics` statistics of the per-response clipped
+      geometric-mean ratio :math:`s_i` (``ratio/*``, ``log_ratio/*``, ``kl/*``),
+      ``sequences`` and ``tokens``.
+    """
+    cl = _check_log_clip("clip_low", clip_low)
+    ch = _check_log_clip("clip_high", clip_high)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    w = token_weights(weights, x)
+    seq_adv = sequence_advantages(x, loss="GMPO")  # [B], 0 on empty rows
+    with torch.no_grad():
+        negf = -torch.sign(seq_adv).clamp(max=0.0)[:, None]  # 1 where A_i < 0
+        upper = negf * _FAR + ch  # A >= 0: c_h (A = 0 only keeps exp finite)
+        lower = (negf - 1.0) * _FAR - cl  # A < 0: -c_l
+    z = x.log_ratio()
+    z_tilde = torch.clamp(z, min=lower, max=upper)  # 0 at masked slots (z = 0 lies inside)
+    log_s = z_tilde.sum(-1) / x.lengths.clamp_min(1)  # [B]
+    j = seq_adv * torch.exp(log_s)  # 0 on empty rows (A = 0)
+    if w is None:
+        loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+    else:
+        loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
+    with torch.no_grad():
+        zd = z.detach()
+        pos = seq_adv[:, None] > 0
+        neg = seq_adv[:, None] < 0
+        high = pos & (zd > ch)
+        low = neg & (zd < -cl)
+        dt = x.tokens.dtype
+        n = x.tokens.clamp_min(1)
+        nonempty = (x.lengths > 0)[:, None]
+        nf = nonempty.to(dt)
+        metrics = _fast_policy_metrics(log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum())
+        metrics["sequences"] = metrics.pop("tokens")
+        metrics["tokens"] = x.tokens.detach()
+        metrics["clip_frac/pos_high"] = torch.count_nonzero(high).to(dt) / n
+        metrics["clip_frac/neg_low"] = torch.count_nonzero(low).to(dt) / n
+        metrics["clip_frac"] = metrics["clip_frac/pos_high"] + metrics["clip_frac/neg_low"]
+    return LossResult(loss, metrics)
+
+
+__all__ = ["gmpo_loss"]
