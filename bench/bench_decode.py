@@ -32,14 +32,15 @@ def _workload(smollm2: bool):
 
     if smollm2:
         from trajgrad.train.config import load_config
-        from trajgrad.train.models import build_policy_model
+        from trajgrad.model.build import build_policy_model
 
         cfg = load_config(preset="default")
         model, tok = build_policy_model(cfg.model)
         src = get_task_source("calculator", **cfg.task.options)
         rows, new, name = 16, cfg.sampling.max_new_tokens, "SmolLM2-135M-Instruct + LoRA r=8 (default preset)"
     else:
-        from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+        from trajgrad.model.tiny import build_tiny_model
+        from trajgrad.model.tokenizer import build_char_tokenizer
 
         tok = build_char_tokenizer()
         model = build_tiny_model(tok, hidden_size=128, layers=2, heads=4, seed=0)

@@ -35,7 +35,7 @@ import torch
 
 def build(tiny: bool):
     from trajgrad.train.config import load_config
-    from trajgrad.train.models import build_policy_model
+    from trajgrad.model.build import build_policy_model
 
     cfg = load_config(preset="tiny" if tiny else "default")
     model, tok = build_policy_model(cfg.model)
@@ -56,7 +56,7 @@ def main(argv=None):
     from trajgrad.fused import fused_token_logprobs
     from trajgrad.rollout import HFSampler, collate
     from trajgrad.rollout.collate import prefix_groups
-    from trajgrad.train.policy import head_inputs
+    from trajgrad.model.learner import head_inputs
 
     cfg, model, tok = build(args.tiny)
     src = get_task_source(cfg.task.name, **cfg.task.options)

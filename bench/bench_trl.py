@@ -29,7 +29,8 @@ P, G, L, LR, HIDDEN, LAYERS, HEADS = 8, 8, 32, 1e-4, 128, 2, 4
 
 
 def _tiny(seed=0):
-    from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+    from trajgrad.model.tiny import build_tiny_model
+    from trajgrad.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, hidden_size=HIDDEN, layers=LAYERS, heads=HEADS, seed=seed)

@@ -26,6 +26,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tok():
     """The character-level tokenizer of the tiny test models."""
-    from trajgrad.rollout.models import build_char_tokenizer
+    from trajgrad.model.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()

@@ -19,7 +19,8 @@ from trajgrad import returns
 from trajgrad.envs.base import StepResult, Task
 from trajgrad.envs.latency import LatencyEnv, LatencyTaskSource, lognormal_mean, with_latency
 from trajgrad.rollout import read_trajectories
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.model.tokenizer import build_char_tokenizer
 from trajgrad.train.asynchronous import (
     SAO_PRESETS,
     AsyncTrainer,

@@ -1,10 +1,14 @@
-"""Tests for trajgrad.losses.sapo_sequence (SAPO's gate on the GSPO sequence ratio)."""
+"""Sequence-level SAPO (sapo_loss(level="sequence")): SAPO's gate on the GSPO sequence ratio."""
 import math
 
 import pytest
 import torch
 
-from trajgrad.losses.sapo_sequence import sapo_sequence_loss
+from functools import partial
+
+from trajgrad.losses import sapo_loss
+
+sapo_sequence_loss = partial(sapo_loss, level="sequence")
 
 D64 = torch.float64
 

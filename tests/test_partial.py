@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from trajgrad.envs.base import StepResult, Task
 from trajgrad.ratios import segment_log_ratios
 from trajgrad.rollout import HFSampler, Trajectory, Turn, collate
-from trajgrad.rollout.models import build_char_tokenizer, build_tiny_model
+from trajgrad.model.tiny import build_tiny_model
+from trajgrad.model.tokenizer import build_char_tokenizer
 from trajgrad.train.asynchronous import load_trainable_state, trainable_state
 from trajgrad.train.partial import (
     PARTIAL_POLICIES,
@@ -23,7 +24,7 @@ from trajgrad.train.partial import (
     segment_ids,
     version_counts,
 )
-from trajgrad.train.policy import learner_logprobs
+from trajgrad.model.learner import learner_logprobs
 
 PAD = 0
 

@@ -242,7 +242,7 @@ def test_reference_snapshot_survives_a_checkpoint(tmp_path):
     resumed = Trainer(cfg, tmp_path / "run", resume=True, console=lambda *_: None)
     for a, b in zip(tr.reference.weights, resumed.reference.weights):
         assert torch.equal(a, b)
-    from trajgrad.train.models import ReferenceWeights
+    from trajgrad.weights import ReferenceWeights
 
     with pytest.raises(ValueError, match="model: has no trainable parameters"):
         ReferenceWeights(torch.nn.Linear(2, 2).requires_grad_(False))

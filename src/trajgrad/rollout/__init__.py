@@ -14,7 +14,7 @@
 * :mod:`~trajgrad.rollout.chat`: ChatML prompt and observation tokens.
 
 Models, tokenizers, the decode step and position ids are in :mod:`trajgrad.model`
-(``trajgrad.rollout.models`` / ``trajgrad.rollout.decode`` re-export them for old imports).
+
 
 Importing this package does not import ``transformers``; the model helpers import it
 when called.

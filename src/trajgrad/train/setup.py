@@ -15,8 +15,9 @@ from ..losses import LagrangeMultiplier
 from ..objective import Objective
 from ..rollout import HFSampler
 from .config import Config
-from .models import build_policy_model
-from .policy import ValueHead, causal_parts
+from ..model.build import build_policy_model
+from ..model.parts import causal_parts
+from ..model.value_head import ValueHead
 from .updates import LearnerState
 
 
@@ -62,7 +63,8 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     steps with ``sft(steps, batch_size, lr, model=..., seed_salt=...)``; the student then
     distils it).
     """
-    from ..rollout.models import build_tiny_model, load_smollm2
+    from ..model.smollm2 import load_smollm2
+    from ..model.tiny import build_tiny_model
 
     tc = cfg.teacher
     if tc.name == "smollm2":

@@ -45,7 +45,7 @@ from .config import Config
 from .demos import build_dpo_pairs, demo_batch, pairs_for_step
 from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
-from .models import ReferenceWeights
+from ..weights import ReferenceWeights
 from .rewards import batch_facts, token_rewards, turn_rewards
 from .seeding import seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher

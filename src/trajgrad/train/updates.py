@@ -32,8 +32,9 @@ from ..fused import fused_entropy, fused_token_logprobs
 from ..losses import kl_estimate, sequence_logp
 from ..objective import Objective
 from ..rollout import RolloutBatch
-from .models import ReferenceWeights
-from .policy import ValueHead, head_inputs, learner_logprobs
+from ..weights import ReferenceWeights
+from ..model.learner import head_inputs, learner_logprobs
+from ..model.value_head import ValueHead
 
 
 @dataclass

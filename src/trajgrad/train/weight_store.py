@@ -1,7 +1,7 @@
 """Weights sent from the learner to the rollout workers, and the actor that holds the newest.
 
 Only the trainable tensors travel (the LoRA adapters, or every parameter of a model
-trained in full): :func:`trainable_state` / :func:`load_trainable_state`. The
+trained in full): :func:`trajgrad.weights.trainable_state` / :func:`~trajgrad.weights.load_trainable_state`. The
 :class:`WeightStore` (a Ray actor in the asynchronous runs) keeps the newest
 ``(version, [ObjectRef])``.
 """
@@ -12,34 +12,9 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from ..weights import load_trainable_state, trainable_state
+
 __all__ = ["trainable_state", "load_trainable_state", "WeightStore"]
-
-
-def trainable_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The tensors a weight sync sends: every parameter with ``requires_grad`` (the LoRA
-    adapters of a PEFT model, all parameters of a model trained in full), detached, on CPU."""
-    out = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
-    if not out:
-        raise ValueError("model: has no trainable parameters to publish")
-    return out
-
-
-@torch.no_grad()
-def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> int:
-    """Copy ``state`` (from :func:`trainable_state`) into ``model``'s parameters in place.
-
-    Every name must be a parameter of ``model`` with the same shape; returns the number
-    of tensors copied.
-    """
-    params = dict(model.named_parameters())
-    for name, value in state.items():
-        p = params.get(name)
-        if p is None:
-            raise ValueError(f"state: {name!r} is not a parameter of the model")
-        if tuple(p.shape) != tuple(value.shape):
-            raise ValueError(f"state: {name!r} has shape {tuple(value.shape)}, the model's is {tuple(p.shape)}")
-        p.copy_(torch.as_tensor(value).to(device=p.device, dtype=p.dtype))
-    return len(state)
 
 
 class WeightStore:

@@ -43,7 +43,7 @@ class RolloutWorker:
             torch.set_num_threads(int(torch_threads))
         from ..envs import get_task_source
         from ..envs.latency import with_latency
-        from .models import build_policy_model
+        from ..model.build import build_policy_model
 
         cfg = build_config(dict(cfg_data))
         self.cfg = cfg
