@@ -1,0 +1,423 @@
+r"""Generalized Advantage Estimation over time, flat and skip-observation (spec §6, §20.4).
+
+===============================  ===========================================================
+``gae``                          :math:`\hat A_t=\delta_t+\gamma\lambda(1-d_t)\hat A_{t+1}`,
+                                 :math:`\delta_t=r_t+\gamma(1-d_t)V_{t+1}-V_t` (§6)
+``token_skip_observation_gae``   the same on a token transcript, observation spans bridged
+``skip_observation_gae``         one entry per model action, values supplied explicitly (§20.4)
+===============================  ===========================================================
+
+The conventions of :mod:`trajgrad.returns` hold: ``[B, T]`` tensors, ``mask = 0`` steps
+skipped (never terminal, output 0, their contents never reach a valid output), rewards and
+values detached, no output carries a gradient. The names are re-exported by
+:mod:`trajgrad.returns`.
+
+Cost. Each function is one backward affine scan (:mod:`trajgrad._scan`) plus a fixed number
+of elementwise passes over ``[B, T]``; there is no Python loop over time, no gather of the
+next valid step, and the flags only change the per-step coefficient of the one scan.
+Padding contents are removed by selection (``torch.where``) unless one reduction has shown
+every entry finite, in which case multiplying by the 0/1 mask selects exactly the same
+numbers at a fraction of the cost; a non-finite result of that fast path is recomputed by
+selection, so stored NaN/±inf never leak.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from . import _checks, _steps
+from ._scan import suffix_affine_scan_
+
+Number = Union[float, int, torch.Tensor]
+
+__all__ = ["GAEOutput", "gae", "token_skip_observation_gae", "skip_observation_gae"]
+
+# Below this value of gamma * lam the scan coefficient no longer carries gamma to full
+# precision (subnormal range), and the continuation flags are kept as a separate tensor.
+_TINY_RATE = 1e-200
+
+
+class GAEOutput(NamedTuple):
+    """Result of :func:`gae` and :func:`token_skip_observation_gae`.
+
+    Attributes:
+      advantages: ``[B, T]`` advantage estimates, 0 at masked steps (detached).
+      returns: ``[B, T]`` value targets ``advantages + values`` (the λ-return), 0 at masked
+        steps (detached).
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def _optional_flag(name: str, x, shape, mask: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """A 0/1 flag as bool, False at masked steps; ``None`` when not given."""
+    if x is None:
+        return None
+    f = _checks.check_mask(name, x, shape).to(device)
+    return f if mask is None else f & mask
+
+
+def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tensor], shape, device) -> torch.Tensor:
+    """``[B]`` bool: the row has a valid step and its last one continues into the bootstrap."""
+    bsz, length = shape
+    if length == 0:
+        return torch.zeros(bsz, dtype=torch.bool, device=device)
+    if mask is None:
+        last = torch.full((bsz,), length - 1, device=device)
+        has = torch.ones(bsz, dtype=torch.bool, device=device)
+    else:
+        last = length - 1 - torch.argmax(mask.flip(-1).to(torch.int8), -1)
+        has = mask.any(-1)
+    if carry is None:
+        return has
+    return has & torch.gather(carry, -1, last[:, None])[:, 0]
+
+
+def _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot):
+    r"""Advantages and returns from finite ``r``, ``v`` (masked entries finite, any value).
+
+    The scan runs on :math:`y_t=V_t+\lambda\hat A_t` and lets padding pass the carry through
+    unchanged (coefficient 1, offset 0). Writing :math:`\hat A_t=r_t-V_t+\gamma N_t`, with
+    :math:`N_t=y_{t'}` when step :math:`t` carries on to the next valid step :math:`t'` and
+    :math:`N_t=N^0_t` (0 or the truncation value) when it stops, gives the one affine
+    recurrence
+
+    .. math:: y_t=(1-\lambda)V_t+\lambda r_t+\lambda\gamma N^0_t+\gamma\lambda\,c_t\,y_{t+1},
+
+    with :math:`c_t` the continuation flag (1 at padding, where the offset is 0). The
+    bootstrap value is the :math:`y` after the last step of the row (padding passes it back
+    to the last valid step), so the end of a row needs no location of its last valid step.
+    Every operand is finite, so the 0/1 factors are products of finite numbers.
+    """
+    bsz, length = r.shape
+    dtype = r.dtype
+    y = torch.lerp(v, r, lam)  # (1 - lam) V + lam r
+    if n0 is not None:
+        y.add_(n0, alpha=gamma * lam)
+    if m_f is not None:
+        y.mul_(m_f)
+    # c: gamma*lam where a valid step carries, 0 where it stops, 1 at padding.
+    carry_f = None
+    if carry is None:
+        c: Union[float, torch.Tensor] = rate
+    else:
+        carry_f = carry.to(dtype)
+        if m_f is None:
+            c = carry_f * rate
+        else:
+            c = torch.sub(1.0, m_f)
+            c.add_(carry_f, alpha=rate)
+    if boot is not None and length:
+        if isinstance(c, torch.Tensor):
+            y[:, -1].addcmul_(c[:, -1], boot)
+        else:
+            y[:, -1].add_(boot, alpha=c)
+    suffix_affine_scan_(y, c)
+
+    # adv = r - V + gamma * carry * y[t + 1] (+ gamma * N0): gamma * carry = c / lam at a valid
+    # step (padding entries are overwritten below), or the flags themselves for a tiny rate.
+    adv = torch.sub(r, v)
+    if gamma > 0.0:
+        if carry_f is None:
+            factor, scale = None, gamma
+        elif rate >= _TINY_RATE:
+            factor, scale = c, 1.0 / lam
+        else:
+            factor, scale = carry_f, gamma
+        if length > 1:
+            if factor is None:
+                adv[:, :-1].add_(y[:, 1:], alpha=scale)
+            else:
+                adv[:, :-1].addcmul_(factor[:, :-1], y[:, 1:], value=scale)
+        if boot is not None and length:
+            if factor is None:
+                adv[:, -1].add_(boot, alpha=scale)
+            else:
+                adv[:, -1].addcmul_(factor[:, -1], boot, value=scale)
+        if n0 is not None:
+            adv.add_(n0, alpha=gamma)
+    if m_f is None:
+        return adv, adv + v
+    adv.mul_(m_f)
+    return adv, torch.addcmul(adv, v, m_f)
+
+
+def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstrap_value, truncation_value):
+    """Shared body of :func:`gae` and :func:`token_skip_observation_gae` (validation + scan)."""
+    rewards = _steps.steps("rewards", rewards)
+    shape = tuple(rewards.shape)
+    bsz, length = shape
+    device = rewards.device
+    m = None if mask is None else _checks.check_mask("mask", mask, shape).to(device)
+    gamma = _steps.check_rate("gamma", gamma)
+    lam = _steps.check_rate("lam", lam)
+    values = _steps.as_float("values", values)
+    _checks.check_shape("values", values, shape, against="rewards")
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r_finite = _steps.all_finite(rewards)
+    v_finite = _steps.all_finite(values)
+    if not r_finite:
+        _checks.check_finite("rewards", rewards, m)
+    if not v_finite:
+        _checks.check_finite("values", values, m)
+    r, v = rewards.to(dtype), values.to(dtype)
+
+    term = _optional_flag("terminated", terminated, shape, m, device)
+    trunc = _optional_flag("truncated", truncated, shape, m, device)
+    if trunc is not None and term is not None:
+        trunc = trunc & ~term
+    carry = m
+    for stop in (term, trunc):
+        if stop is not None:
+            carry = ~stop if carry is None else carry & ~stop
+
+    n0 = None  # the next value where the carry stops at a truncation
+    if truncation_value is None:
+        if trunc is not None and bool(trunc.any()):
+            raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
+    else:
+        if truncated is None:
+            raise ValueError("truncation_value: given without truncated (it is read only at truncated steps)")
+        tv = _steps.as_float("truncation_value", truncation_value)
+        _checks.check_shape("truncation_value", tv, shape, against="rewards")
+        if _steps.all_finite(tv):
+            n0 = tv.to(dtype) * trunc
+        else:
+            _checks.check_finite("truncation_value", tv, trunc)
+            n0 = _checks.fill_masked(tv.to(dtype), trunc)
+    boot = None
+    if bootstrap_value is not None:
+        bv = _steps.as_float("bootstrap_value", bootstrap_value)
+        if bv.ndim == 0:
+            bv = bv.expand(bsz)
+        _checks.check_shape("bootstrap_value", bv, (bsz,))
+        boot = bv.to(dtype=dtype, device=device)
+        if not _steps.all_finite(boot):
+            # read only where the last valid step of a row continues into it
+            read = _last_step_carries(m, carry, shape, device)
+            _checks.check_finite("bootstrap_value", boot, read)
+            boot = _checks.fill_masked(boot, read)
+
+    with torch.no_grad():
+        m_f = None if m is None else m.to(dtype)
+        rate = gamma * lam
+        if m is None or (r_finite and v_finite):
+            adv, ret = _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot)
+            if m is None or (_steps.all_finite(adv) and _steps.all_finite(ret)):
+                return GAEOutput(adv, ret)
+        # Stored NaN/inf (or finite values so large that arithmetic on them overflows) at
+        # masked steps: remove them by selection and compute again.
+        r, v = _checks.fill_masked(r, m), _checks.fill_masked(v, m)
+        adv, ret = _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot)
+    return GAEOutput(adv, ret)
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    mask: Optional[torch.Tensor] = None,
+    terminated: Optional[torch.Tensor] = None,
+    truncated: Optional[torch.Tensor] = None,
+    bootstrap_value: Optional[Number] = None,
+    truncation_value: Optional[torch.Tensor] = None,
+) -> GAEOutput:
+    r"""Generalized Advantage Estimation (spec §6; Schulman et al., 2015).
+
+    .. math::
+        \delta_t = r_t + \gamma\,V^{next}_t - V_t,\qquad
+        \hat A_t = \delta_t + \gamma\lambda\,c_t\,\hat A_{t'},\qquad
+        \hat A_t = \sum_{l\ge0}(\gamma\lambda)^l\delta_{t+l}\ \text{(within an episode)},
+
+    where :math:`t'` is the next valid step of the row and, for a valid step :math:`t`,
+    the next value :math:`V^{next}_t` and the carry :math:`c_t` are:
+
+    * ``terminated[b, t] = 1`` (true end): :math:`V^{next}_t=0`, :math:`c_t=0`;
+    * ``truncated[b, t] = 1`` (cut by the collector mid-row):
+      :math:`V^{next}_t=` ``truncation_value[b, t]``, :math:`c_t=0`;
+    * last valid step of the row, neither flag: :math:`V^{next}_t=` ``bootstrap_value[b]``
+      (default 0, i.e. the row ends its episode), :math:`c_t=0`;
+    * otherwise :math:`V^{next}_t=V_{t'}`, :math:`c_t=1`.
+
+    ``terminated`` wins when both flags are set. ``mask = 0`` steps are padding: they are
+    skipped (the recursion connects consecutive valid steps, no discount across the gap),
+    never terminal, and their outputs are 0. ``returns = advantages + values`` is the
+    λ-return, the usual critic target. With ``lam = 1`` and a true terminal, ``advantages``
+    equals the Monte Carlo reward-to-go minus the value; with ``lam = 0`` it is the TD
+    residual :math:`\delta_t` (§24).
+
+    The default ``bootstrap_value = 0`` treats the end of a row as the end of the episode;
+    pass the critic's value of the state after the last step when the row was cut off and
+    the episode could validly continue (§6, §20.4).
+
+    Args:
+      rewards: ``[B, T]`` per-step rewards.
+      values: ``[B, T]`` critic values :math:`V(h_t)`.
+      gamma: discount in ``[0, 1]``.
+      lam: GAE :math:`\lambda` in ``[0, 1]``.
+      mask: optional ``[B, T]`` 0/1 valid steps (default all valid).
+      terminated: optional ``[B, T]`` 0/1 true episode ends (several episodes per row allowed).
+      truncated: optional ``[B, T]`` 0/1 collector cuts in the middle of a row.
+      bootstrap_value: optional ``[B]`` (or scalar) value after the last valid step; read
+        only for rows whose last valid step is neither terminated nor truncated.
+      truncation_value: ``[B, T]`` value of the cut-off next state; required when
+        ``truncated`` has a 1 at a valid step, read only there.
+
+    Returns:
+      :class:`GAEOutput` ``(advantages, returns)``, each ``[B, T]``, 0 at masked steps.
+      All inputs are evidence and detached; the outputs carry no gradient.
+      Computed by a log-depth scan over time (no Python loop over steps).
+    """
+    return _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstrap_value, truncation_value)
+
+
+def token_skip_observation_gae(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    terminated: Optional[torch.Tensor] = None,
+    bootstrap_value: Optional[Number] = None,
+    truncated: Optional[torch.Tensor] = None,
+    truncation_value: Optional[torch.Tensor] = None,
+) -> GAEOutput:
+    r"""Skip-observation GAE on a token transcript (spec §20.4; SAO, Hou et al.).
+
+    The transcript :math:`[a_0, o_0, a_1, o_1, \dots]` is ``[B, L]`` with ``mask = 1`` on the
+    action tokens (sampled by the policy) and 0 on prompt, tool-observation and padding
+    tokens. For an action token :math:`t` the next state is the next ``mask = 1`` token
+    :math:`t'`, whose prefix contains the observation, so
+
+    .. math::
+        \delta_t = r_t + \gamma V_{t'} - V_t,\qquad
+        \hat A_t = \delta_t + \gamma\lambda\hat A_{t'},
+
+    with no :math:`\gamma`/:math:`\lambda` decay across observation tokens. At the last
+    token :math:`a_{i,N}` of action :math:`i` this is exactly the §20.4 recursion
+    :math:`\delta_i=r_i+\gamma V(a_{i+1,0})-V(a_{i,N})`; inside an action the usual
+    token-level recursion applies. It skips *loss positions*, not information.
+
+    Rewards are per token and must sit on action tokens (usually the last token of each
+    action); values stored at ``mask = 0`` tokens are ignored. Terminal rules as in
+    :func:`gae`: ``terminated = 1`` on a token zeroes the next value and the carried
+    advantage; the last action token of a row bootstraps from ``bootstrap_value``
+    (default 0); ``truncated``/``truncation_value`` mark collector cuts. This is
+    :func:`gae` with the mask read as "observation or padding" (the two are handled the
+    same way: skipped).
+
+    Args:
+      values: ``[B, L]`` token-wise critic values.
+      rewards: ``[B, L]`` per-token rewards.
+      mask: ``[B, L]`` 0/1 action mask.
+      gamma, lam: in ``[0, 1]``.
+      terminated, bootstrap_value, truncated, truncation_value: as in :func:`gae`.
+
+    Returns:
+      :class:`GAEOutput` with ``[B, L]`` advantages and returns, 0 at ``mask = 0`` tokens;
+      detached. Vectorized over time (log-depth scan).
+    """
+    if mask is None:
+        raise ValueError("mask: required (1 on action tokens, 0 on prompt/observation/padding)")
+    return _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstrap_value, truncation_value)
+
+
+def skip_observation_gae(
+    action_end_values: torch.Tensor,
+    next_action_values: torch.Tensor,
+    rewards: torch.Tensor,
+    terminals: torch.Tensor,
+    gamma: float,
+    lam: float,
+    *,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    r"""Skip-observation GAE with one entry per semantic model action (spec §20.4).
+
+    .. math::
+        \delta_i = r_i + \gamma(1-d_i)\,V(a_{i+1,0}) - V(a_{i,N}),\qquad
+        \hat A_i = \delta_i + \gamma\lambda(1-d_i)\,\hat A_{i+1},
+
+    with :math:`V(a_{i,N})` = ``action_end_values[i]`` (value at the last token of action
+    :math:`i`), :math:`V(a_{i+1,0})` = ``next_action_values[i]`` (value at the first token of
+    the next action, whose prefix contains observation :math:`o_i`; for the last action of a
+    cut-off trajectory, the bootstrap value), :math:`d_i` = ``terminals[i]``. At a terminal
+    the next value and the carried advantage are 0 (``next_action_values`` is not read there
+    and may hold anything). After the last entry the carried advantage is 0.
+
+    Args:
+      action_end_values: ``[N]`` or ``[B, N]``.
+      next_action_values: same shape.
+      rewards: same shape, reward of each action.
+      terminals: same shape, 0/1.
+      gamma, lam: in ``[0, 1]``.
+      mask: optional 0/1, same shape; 0 entries are padding, skipped (the carry passes to
+        the next valid entry) and output as 0.
+
+    Returns:
+      Advantages with the shape of ``rewards``; detached. Vectorized (log-depth scan).
+    """
+    rewards = _steps.as_float("rewards", rewards)
+    _checks.check_ndim("rewards", rewards, (1, 2))
+    squeeze = rewards.ndim == 1
+    shape = tuple(rewards.shape)
+    if squeeze:
+        rewards = rewards[None]
+    shape2 = tuple(rewards.shape)
+
+    def lift(name, x):
+        x = _steps.as_float(name, x)
+        _checks.check_shape(name, x, shape, against="rewards")
+        return x[None] if squeeze else x
+
+    gamma = _steps.check_rate("gamma", gamma)
+    lam = _steps.check_rate("lam", lam)
+    if mask is None:
+        m = None
+    else:
+        m = _checks.check_mask("mask", mask, shape)
+        m = (m[None] if squeeze else m).to(rewards.device)
+    end_v = lift("action_end_values", action_end_values)
+    next_v = lift("next_action_values", next_action_values)
+    term_raw = _checks.as_tensor("terminals", terminals)
+    _checks.check_shape("terminals", term_raw, shape, against="rewards")
+    term = _checks.check_mask("terminals", term_raw)
+    term = (term[None] if squeeze else term).to(rewards.device)
+    if m is not None:
+        term = term & m
+    carry = ~term if m is None else m & ~term
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, end_v.dtype), next_v.dtype)
+    inputs = [("rewards", rewards, m), ("action_end_values", end_v, m), ("next_action_values", next_v, carry)]
+    finite = [_steps.all_finite(x) for _, x, _ in inputs]
+    for (name, x, where), ok in zip(inputs, finite):
+        if not ok:
+            _checks.check_finite(name, x, where)
+    with torch.no_grad():
+        m_f = None if m is None else m.to(dtype)
+        carry_f = carry.to(dtype)
+        c = carry_f * (gamma * lam) if m_f is None else torch.sub(1.0, m_f).add_(carry_f, alpha=gamma * lam)
+
+        def scan(r, ve, vn):
+            # delta = r + gamma * carry * V_next - V_end, 0 at padding; every operand finite
+            delta = torch.sub(r.to(dtype), ve.to(dtype))
+            delta.addcmul_(carry_f, vn.to(dtype), value=gamma)
+            if m_f is not None:
+                delta.mul_(m_f)
+            adv = suffix_affine_scan_(delta, c)
+            return adv if m_f is None else adv.mul_(m_f)
+
+        adv = scan(rewards, end_v, next_v) if all(finite) else None
+        if adv is not None and m is not None and not _steps.all_finite(adv):
+            adv = None  # finite padding so large that arithmetic on it overflowed
+        if adv is None:
+            # select: stored NaN/inf at padding (or at terminals, for next_action_values)
+            r = rewards if m is None else _checks.fill_masked(rewards.to(dtype), m)
+            ve = end_v if m is None else _checks.fill_masked(end_v.to(dtype), m)
+            vn = _checks.fill_masked(next_v.to(dtype), carry)
+            adv = scan(r, ve, vn)
+    return adv[0] if squeeze else adv
