@@ -39,30 +39,49 @@ def suffix_affine_scan(d: torch.Tensor, c: Coefficient) -> torch.Tensor:
     r"""Solve :math:`A_t=d_t+c_tA_{t+1}` along the last axis, :math:`A_T=0`; a new tensor.
 
     ``c`` is a tensor shaped like ``d`` or one number (the same coefficient at every step).
+    Neither input is modified.
     """
+    if isinstance(c, torch.Tensor):
+        c = c.clone()
     return suffix_affine_scan_(d.clone(), c)
 
 
 def suffix_affine_scan_(d: torch.Tensor, c: Coefficient) -> torch.Tensor:
     r"""In-place :func:`suffix_affine_scan`: overwrite ``d`` with the solution and return it.
 
+    A coefficient tensor ``c`` is used as scratch space and left holding partial products.
+
     Steps ``2i`` and ``2i+1`` compose into
-    :math:`A_{2i}=(d_{2i}+c_{2i}d_{2i+1})+c_{2i}c_{2i+1}A_{2i+2}`; the half-length problem
-    gives every even step, and each odd step follows from the next even one,
+    :math:`A_{2i}=(d_{2i}+c_{2i}d_{2i+1})+c_{2i}c_{2i+1}A_{2i+2}`, written over the even
+    entries of ``d`` and ``c``; the half-length problem on those (strided) entries gives
+    every even step in place, and each odd step follows from the next even one,
     :math:`A_{2i+1}=d_{2i+1}+c_{2i+1}A_{2i+2}`. For an odd length the last step is its own
-    solution (:math:`A_{T-1}=d_{T-1}`) and closes the recursion of the even prefix. Work is
-    linear in ``T``, depth :math:`\lceil\log_2T\rceil`; only half-length temporaries are
-    allocated at each level. ``c`` is not modified.
+    solution (:math:`A_{T-1}=d_{T-1}`) and is folded into the step before it. Work is linear
+    in ``T``, depth :math:`\lceil\log_2T\rceil`, and nothing is allocated: on a machine
+    where fresh memory costs a page fault per 4 KiB, temporaries cost more than the
+    arithmetic.
     """
     if isinstance(c, torch.Tensor):
         return _tensor_scan_(d, c)
     return _number_scan_(d, float(c))
 
 
+# Once the even entries of a level lie this many elements apart, every one of them sits on
+# its own cache line: the deeper levels run on a contiguous copy instead (a 1/8-size buffer).
+_REPACK_STRIDE = 8
+_REPACK_MIN_LENGTH = 64
+
+
+def _repacked(d: torch.Tensor, length: int) -> bool:
+    return d.stride(-1) >= _REPACK_STRIDE and length >= _REPACK_MIN_LENGTH
+
+
 def _tensor_scan_(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     length = d.shape[-1]
     if length <= 1:
         return d
+    if _repacked(d, length):
+        return d.copy_(_tensor_scan_(d.contiguous(), c.contiguous()))
     if length % 2:
         # The lone last step is its own solution; fold it into the step before and solve
         # the even-length prefix, whose last coefficient then multiplies A = 0.
@@ -71,12 +90,10 @@ def _tensor_scan_(d: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return d
     d_even, d_odd = d[..., 0::2], d[..., 1::2]
     c_even, c_odd = c[..., 0::2], c[..., 1::2]
-    pair_d = torch.addcmul(d_even, c_even, d_odd)
-    pair_c = c_even * c_odd
-    a_even = _tensor_scan_(pair_d, pair_c)
-    del pair_c
-    d_odd[..., :-1].addcmul_(c_odd[..., :-1], a_even[..., 1:])
-    d_even.copy_(a_even)
+    d_even.addcmul_(c_even, d_odd)
+    c_even.mul_(c_odd)
+    _tensor_scan_(d_even, c_even)
+    d_odd[..., :-1].addcmul_(c_odd[..., :-1], d_even[..., 1:])
     return d
 
 
@@ -85,15 +102,16 @@ def _number_scan_(d: torch.Tensor, c: float) -> torch.Tensor:
     length = d.shape[-1]
     if length <= 1 or c == 0.0:
         return d
+    if _repacked(d, length):
+        return d.copy_(_number_scan_(d.contiguous(), c))
     if length % 2:
         d[..., length - 2].add_(d[..., length - 1], alpha=c)
         _number_scan_(d[..., : length - 1], c)
         return d
     d_even, d_odd = d[..., 0::2], d[..., 1::2]
-    pair_d = torch.add(d_even, d_odd, alpha=c)
-    a_even = _number_scan_(pair_d, c * c)
-    d_odd[..., :-1].add_(a_even[..., 1:], alpha=c)
-    d_even.copy_(a_even)
+    d_even.add_(d_odd, alpha=c)
+    _number_scan_(d_even, c * c)
+    d_odd[..., :-1].add_(d_even[..., 1:], alpha=c)
     return d
 
 

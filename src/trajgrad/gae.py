@@ -33,9 +33,9 @@ Number = Union[float, int, torch.Tensor]
 
 __all__ = ["GAEOutput", "gae", "token_skip_observation_gae", "skip_observation_gae"]
 
-# Below this value of gamma * lam the scan coefficient no longer carries gamma to full
-# precision (subnormal range), and the continuation flags are kept as a separate tensor.
-_TINY_RATE = 1e-200
+# From this lam up, advantages are read off the scan as (y - V) / lam, which at most doubles
+# the rounding error of y; below it they are rebuilt from the continuation flags.
+_DIRECT_LAM = 0.5
 
 
 class GAEOutput(NamedTuple):
@@ -75,8 +75,8 @@ def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tenso
     return has & torch.gather(carry, -1, last[:, None])[:, 0]
 
 
-def _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot):
-    r"""Advantages and returns from finite ``r``, ``v`` (masked entries finite, any value).
+def _gae_scan(r, v, pad, carry, gamma, lam, n0, boot):
+    r"""Advantages and returns from validated ``r``, ``v`` (anything at ``pad`` steps).
 
     The scan runs on :math:`y_t=V_t+\lambda\hat A_t` and lets padding pass the carry through
     unchanged (coefficient 1, offset 0). Writing :math:`\hat A_t=r_t-V_t+\gamma N_t`, with
@@ -89,26 +89,33 @@ def _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot):
     with :math:`c_t` the continuation flag (1 at padding, where the offset is 0). The
     bootstrap value is the :math:`y` after the last step of the row (padding passes it back
     to the last valid step), so the end of a row needs no location of its last valid step.
-    Every operand is finite, so the 0/1 factors are products of finite numbers.
+    Then :math:`\hat A_t=(y_t-V_t)/\lambda`, or for a small :math:`\lambda` (where that
+    division would amplify rounding) :math:`r_t-V_t+\gamma(c_ty_{t+1}+N^0_t)`.
+
+    Padding entries are replaced by selection (``masked_fill_``) before they are read and
+    after every step that could have carried stored NaN/inf into them, so nothing stored
+    there reaches a valid output. Two ``[B, T]`` buffers are allocated, the two outputs;
+    the coefficients live in the advantage buffer until the scan is done.
     """
-    bsz, length = r.shape
-    dtype = r.dtype
-    y = torch.lerp(v, r, lam)  # (1 - lam) V + lam r
+    length = r.shape[-1]
+    rate = gamma * lam
+    # One allocation for both outputs: the allocator hands the same block back on the next
+    # call instead of returning two half-sized ones to the system (a page fault per 4 KiB).
+    both = torch.empty((2,) + tuple(r.shape), dtype=r.dtype, device=r.device)
+    work, y = both[0], both[1]  # coefficients then advantages; y then returns
+    torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     if n0 is not None:
-        y.add_(n0, alpha=gamma * lam)
-    if m_f is not None:
-        y.mul_(m_f)
-    # c: gamma*lam where a valid step carries, 0 where it stops, 1 at padding.
-    carry_f = None
+        y.add_(n0, alpha=rate)
+    if pad is not None:
+        y.masked_fill_(pad, 0.0)
     if carry is None:
         c: Union[float, torch.Tensor] = rate
     else:
-        carry_f = carry.to(dtype)
-        if m_f is None:
-            c = carry_f * rate
-        else:
-            c = torch.sub(1.0, m_f)
-            c.add_(carry_f, alpha=rate)
+        work.copy_(carry)
+        work.mul_(rate)
+        if pad is not None:
+            work.masked_fill_(pad, 1.0)
+        c = work
     if boot is not None and length:
         if isinstance(c, torch.Tensor):
             y[:, -1].addcmul_(c[:, -1], boot)
@@ -116,32 +123,32 @@ def _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot):
             y[:, -1].add_(boot, alpha=c)
     suffix_affine_scan_(y, c)
 
-    # adv = r - V + gamma * carry * y[t + 1] (+ gamma * N0): gamma * carry = c / lam at a valid
-    # step (padding entries are overwritten below), or the flags themselves for a tiny rate.
-    adv = torch.sub(r, v)
-    if gamma > 0.0:
-        if carry_f is None:
-            factor, scale = None, gamma
-        elif rate >= _TINY_RATE:
-            factor, scale = c, 1.0 / lam
+    adv = work
+    if lam >= _DIRECT_LAM:
+        torch.sub(y, v, out=adv)
+        adv.mul_(1.0 / lam)
+    else:
+        # gamma * (carry * y[t + 1] + N0) + r - V
+        if carry is None:
+            adv.fill_(1.0)
         else:
-            factor, scale = carry_f, gamma
-        if length > 1:
-            if factor is None:
-                adv[:, :-1].add_(y[:, 1:], alpha=scale)
+            adv.copy_(carry)
+        if length:
+            adv[:, :-1].mul_(y[:, 1:])
+            if boot is None:
+                adv[:, -1].zero_()
             else:
-                adv[:, :-1].addcmul_(factor[:, :-1], y[:, 1:], value=scale)
-        if boot is not None and length:
-            if factor is None:
-                adv[:, -1].add_(boot, alpha=scale)
-            else:
-                adv[:, -1].addcmul_(factor[:, -1], boot, value=scale)
+                adv[:, -1].mul_(boot)
+        adv.mul_(gamma)
         if n0 is not None:
             adv.add_(n0, alpha=gamma)
-    if m_f is None:
-        return adv, adv + v
-    adv.mul_(m_f)
-    return adv, torch.addcmul(adv, v, m_f)
+        adv.add_(r).sub_(v)
+    if pad is not None:
+        adv.masked_fill_(pad, 0.0)
+    ret = torch.add(adv, v, out=y)
+    if pad is not None:
+        ret.masked_fill_(pad, 0.0)
+    return adv, ret
 
 
 def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstrap_value, truncation_value):
@@ -156,11 +163,9 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     values = _steps.as_float("values", values)
     _checks.check_shape("values", values, shape, against="rewards")
     dtype = torch.promote_types(rewards.dtype, values.dtype)
-    r_finite = _steps.all_finite(rewards)
-    v_finite = _steps.all_finite(values)
-    if not r_finite:
+    if not _steps.all_finite(rewards):
         _checks.check_finite("rewards", rewards, m)
-    if not v_finite:
+    if not _steps.all_finite(values):
         _checks.check_finite("values", values, m)
     r, v = rewards.to(dtype), values.to(dtype)
 
@@ -182,11 +187,9 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             raise ValueError("truncation_value: given without truncated (it is read only at truncated steps)")
         tv = _steps.as_float("truncation_value", truncation_value)
         _checks.check_shape("truncation_value", tv, shape, against="rewards")
-        if _steps.all_finite(tv):
-            n0 = tv.to(dtype) * trunc
-        else:
+        if not _steps.all_finite(tv):
             _checks.check_finite("truncation_value", tv, trunc)
-            n0 = _checks.fill_masked(tv.to(dtype), trunc)
+        n0 = _checks.fill_masked(tv.to(dtype), trunc)
     boot = None
     if bootstrap_value is not None:
         bv = _steps.as_float("bootstrap_value", bootstrap_value)
@@ -201,16 +204,8 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             boot = _checks.fill_masked(boot, read)
 
     with torch.no_grad():
-        m_f = None if m is None else m.to(dtype)
-        rate = gamma * lam
-        if m is None or (r_finite and v_finite):
-            adv, ret = _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot)
-            if m is None or (_steps.all_finite(adv) and _steps.all_finite(ret)):
-                return GAEOutput(adv, ret)
-        # Stored NaN/inf (or finite values so large that arithmetic on them overflows) at
-        # masked steps: remove them by selection and compute again.
-        r, v = _checks.fill_masked(r, m), _checks.fill_masked(v, m)
-        adv, ret = _gae_scan(r, v, m_f, carry, rate, gamma, lam, n0, boot)
+        pad = None if m is None else ~m
+        adv, ret = _gae_scan(r, v, pad, carry, gamma, lam, n0, boot)
     return GAEOutput(adv, ret)
 
 
