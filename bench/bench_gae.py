@@ -203,9 +203,10 @@ def build_cases(batch, length, obs_fraction, gen):
 
 
 def once(fn):
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process, result) of one call."""
+    cpu, start = time.process_time(), time.perf_counter()
     result = fn()
-    return time.perf_counter() - start, result
+    return time.perf_counter() - start, time.process_time() - cpu, result
 
 
 def main(argv=None):
@@ -236,41 +237,45 @@ def main(argv=None):
         plain_loop_s = None
         for name, loop_fn, ours_fn, valid, (r, v) in cases:
             floor_mask = valid.clone()
-            loop_t, ours_t, fma_t, where_t = [], [], [], []
+            loop_t, ours_t, fma_t, where_t, loop_c, ours_c = [], [], [], [], [], []
             base = ours = None
             ours_fn()  # warm-up at this size
             for _ in range(loop_runs):
-                dt, base = once(loop_fn)
+                dt, dc, base = once(loop_fn)
                 loop_t.append(dt)
+                loop_c.append(dc)
                 for _ in range(args.repeats):
-                    dt, ours = once(ours_fn)
+                    dt, dc, ours = once(ours_fn)
                     ours_t.append(dt)
+                    ours_c.append(dc)
                     fma_t.append(once(lambda: torch.addcmul(r, v, v))[0])
                     where_t.append(once(lambda: torch.where(floor_mask, r, v))[0])
             err = float((base - ours)[valid].abs().max())
             worst = max(worst, err)
             assert err <= 1e-10, f"{name} B={batch} L={length}: max |diff| {err:.3g} > 1e-10"
             assert bool(torch.all(ours[~valid] == 0)), f"{name}: masked steps must be 0"
-            loop_s, ours_s = statistics.median(loop_t), statistics.median(ours_t)
-            fma_s, where_s = statistics.median(fma_t), statistics.median(where_t)
+            med = statistics.median
+            loop_s, ours_s, fma_s, where_s = med(loop_t), med(ours_t), med(fma_t), med(where_t)
+            cpu_ratio = med(loop_c) / med(ours_c)
             if plain_loop_s is None:
                 plain_loop_s = loop_s
             obs = 1.0 - float(valid.float().mean())
-            rows.append((name, batch, length, obs, loop_s, ours_s, fma_s, where_s, plain_loop_s, err))
+            rows.append((name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_loop_s, err))
             print(f"{name:<66} B={batch:<3} L={length:<7} loop {loop_s:7.3f} s  ours {1e3 * ours_s:7.2f} ms  "
-                  f"{loop_s / ours_s:6.0f}x loop  {ours_s / fma_s:5.1f}x FMA  {ours_s / where_s:5.1f}x where  "
-                  f"diff {err:.1e}", flush=True)
+                  f"{loop_s / ours_s:6.0f}x loop (CPU time {cpu_ratio:6.0f}x)  {ours_s / fma_s:5.1f}x FMA  "
+                  f"{ours_s / where_s:5.1f}x where  diff {err:.1e}", flush=True)
     load_after = os.getloadavg()
 
-    header = ("| case | B | L | mask-0 fraction | loop (s) | trajgrad (ms) | speed-up vs loop | vs plain loop "
-              "| one FMA pass (ms) | one where pass (ms) | trajgrad / FMA pass | trajgrad / where pass | max abs diff |")
-    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    header = ("| case | B | L | mask-0 fraction | loop (s) | trajgrad (ms) | speed-up vs loop | same, CPU time "
+              "| vs plain loop | one FMA pass (ms) | one where pass (ms) | trajgrad / FMA pass | trajgrad / where pass "
+              "| max abs diff |")
+    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     lines = [header, sep]
-    for name, batch, length, obs, loop_s, ours_s, fma_s, where_s, plain_s, err in rows:
+    for name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_s, err in rows:
         lines.append(
             f"| {name} | {batch} | {length:,} | {obs:.2f} | {loop_s:.2f} | {1e3 * ours_s:.2f} | "
-            f"{loop_s / ours_s:.0f}x | {plain_s / ours_s:.0f}x | {1e3 * fma_s:.3f} | {1e3 * where_s:.3f} | "
-            f"{ours_s / fma_s:.1f}x | {ours_s / where_s:.1f}x | {err:.1e} |"
+            f"{loop_s / ours_s:.0f}x | {cpu_ratio:.0f}x | {plain_s / ours_s:.0f}x | {1e3 * fma_s:.3f} | "
+            f"{1e3 * where_s:.3f} | {ours_s / fma_s:.1f}x | {ours_s / where_s:.1f}x | {err:.1e} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -289,7 +294,9 @@ def main(argv=None):
         f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} "
         "(the machine is shared; other jobs may have been running)",
         f"- float64, gamma = {GAMMA}, lambda = {LAM}, seed {args.seed}; medians of {args.loop_repeats} loop runs "
-        f"(1 on the 131,072-step row) and {args.repeats} trajgrad / floor runs per loop run, interleaved",
+        f"(1 on the 131,072-step row) and {args.repeats} trajgrad / floor runs per loop run, interleaved; "
+        "wall-clock times, and the speed-up also in CPU time of the process (insensitive to time spent "
+        "descheduled on the shared machine)",
         "- loop: Python loop over time, batch vectorized (the TRL / verl pattern), carrying value and advantage "
         "across mask-0 steps; each case runs the cheapest loop with its features ('vs plain loop': the plain "
         "GAE loop of the same shape instead)",

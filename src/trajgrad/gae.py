@@ -12,13 +12,12 @@ skipped (never terminal, output 0, their contents never reach a valid output), r
 values detached, no output carries a gradient. The names are re-exported by
 :mod:`trajgrad.returns`.
 
-Cost. Each function is one backward affine scan (:mod:`trajgrad._scan`) plus a fixed number
-of elementwise passes over ``[B, T]``; there is no Python loop over time, no gather of the
-next valid step, and the flags only change the per-step coefficient of the one scan.
-Padding contents are removed by selection (``torch.where``) unless one reduction has shown
-every entry finite, in which case multiplying by the 0/1 mask selects exactly the same
-numbers at a fraction of the cost; a non-finite result of that fast path is recomputed by
-selection, so stored NaN/±inf never leak.
+Cost. Each function is one backward affine scan (:mod:`trajgrad._scan`, in place) plus a
+fixed number of elementwise passes over ``[B, T]``: there is no Python loop over time, no
+gather of the next valid step, and the flags only change the per-step coefficient of the
+one scan. Padding contents are removed by selection (``masked_fill_`` / ``torch.where``)
+before anything reads them and again from the outputs, so stored NaN/±inf never leak; the
+only large allocations are the outputs.
 """
 from __future__ import annotations
 
@@ -363,7 +362,6 @@ def skip_observation_gae(
     shape = tuple(rewards.shape)
     if squeeze:
         rewards = rewards[None]
-    shape2 = tuple(rewards.shape)
 
     def lift(name, x):
         x = _steps.as_float(name, x)
@@ -387,32 +385,22 @@ def skip_observation_gae(
         term = term & m
     carry = ~term if m is None else m & ~term
     dtype = torch.promote_types(torch.promote_types(rewards.dtype, end_v.dtype), next_v.dtype)
-    inputs = [("rewards", rewards, m), ("action_end_values", end_v, m), ("next_action_values", next_v, carry)]
-    finite = [_steps.all_finite(x) for _, x, _ in inputs]
-    for (name, x, where), ok in zip(inputs, finite):
-        if not ok:
+    for name, x, where in [("rewards", rewards, m), ("action_end_values", end_v, m),
+                           ("next_action_values", next_v, carry)]:
+        if not _steps.all_finite(x):
             _checks.check_finite(name, x, where)
     with torch.no_grad():
-        m_f = None if m is None else m.to(dtype)
-        carry_f = carry.to(dtype)
-        c = carry_f * (gamma * lam) if m_f is None else torch.sub(1.0, m_f).add_(carry_f, alpha=gamma * lam)
-
-        def scan(r, ve, vn):
-            # delta = r + gamma * carry * V_next - V_end, 0 at padding; every operand finite
-            delta = torch.sub(r.to(dtype), ve.to(dtype))
-            delta.addcmul_(carry_f, vn.to(dtype), value=gamma)
-            if m_f is not None:
-                delta.mul_(m_f)
-            adv = suffix_affine_scan_(delta, c)
-            return adv if m_f is None else adv.mul_(m_f)
-
-        adv = scan(rewards, end_v, next_v) if all(finite) else None
-        if adv is not None and m is not None and not _steps.all_finite(adv):
-            adv = None  # finite padding so large that arithmetic on it overflowed
-        if adv is None:
-            # select: stored NaN/inf at padding (or at terminals, for next_action_values)
-            r = rewards if m is None else _checks.fill_masked(rewards.to(dtype), m)
-            ve = end_v if m is None else _checks.fill_masked(end_v.to(dtype), m)
-            vn = _checks.fill_masked(next_v.to(dtype), carry)
-            adv = scan(r, ve, vn)
+        # delta = r + gamma * carry * V_next - V_end, by selection where an input is not read
+        adv = torch.where(carry, next_v.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
+        adv.mul_(gamma).add_(rewards.to(dtype)).sub_(end_v.to(dtype))
+        c = torch.empty_like(adv)
+        c.copy_(carry)
+        c.mul_(gamma * lam)
+        if m is not None:
+            pad = ~m
+            adv.masked_fill_(pad, 0.0)
+            c.masked_fill_(pad, 1.0)  # padding passes the carry through
+        suffix_affine_scan_(adv, c)
+        if m is not None:
+            adv.masked_fill_(pad, 0.0)
     return adv[0] if squeeze else adv
