@@ -245,6 +245,7 @@ def main(argv=None):
                 loop_t.append(dt)
                 loop_c.append(dc)
                 for _ in range(args.repeats):
+                    ours = None  # the previous result is consumed and dropped, as in a training step
                     dt, dc, ours = once(ours_fn)
                     ours_t.append(dt)
                     ours_c.append(dc)

@@ -19,7 +19,7 @@ from trajgrad.returns import GAEOutput, gae, skip_observation_gae, token_skip_ob
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
-SETTINGS = settings(max_examples=60, deadline=None)
+SETTINGS = settings(max_examples=80, deadline=None)
 GARBAGE = st.sampled_from(["nan", "inf", "huge", "finite"])
 
 
@@ -57,11 +57,14 @@ def garbage_like(x, kind, gen):
     return 1e6 * torch.randn(x.shape, generator=gen, dtype=x.dtype)
 
 
-def draw(seed, b_, t_, p_pad, p_term, p_trunc):
+def draw(seed, b_, t_, p_pad, p_term, p_trunc, right=False):
     gen = torch.Generator().manual_seed(seed)
     r = torch.randn(b_, t_, generator=gen, dtype=F64)
     v = torch.randn(b_, t_, generator=gen, dtype=F64)
     mask = torch.rand(b_, t_, generator=gen) >= p_pad
+    if right:  # right padding: each row valid up to a random length (0 to T)
+        lengths = torch.randint(0, t_ + 1, (b_,), generator=gen)
+        mask = torch.arange(t_)[None, :] < lengths[:, None]
     term = (torch.rand(b_, t_, generator=gen) < p_term) & mask
     trunc = (torch.rand(b_, t_, generator=gen) < p_trunc) & mask
     tv = torch.randn(b_, t_, generator=gen, dtype=F64)
@@ -85,10 +88,11 @@ def last_valid_carries(mask, term, trunc):
        gamma=st.floats(0, 1), lam=st.floats(0, 1), p_pad=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
        p_term=st.sampled_from([0.0, 0.1, 0.4]), p_trunc=st.sampled_from([0.0, 0.1, 0.4]),
        use_mask=st.booleans(), use_term=st.booleans(), use_trunc=st.booleans(), use_boot=st.booleans(),
-       garbage=GARBAGE, float_flags=st.booleans())
+       garbage=GARBAGE, float_flags=st.booleans(), right=st.booleans())
 def test_gae_matches_loop_with_garbage_where_not_read(seed, b_, t_, gamma, lam, p_pad, p_term, p_trunc, use_mask,
-                                                      use_term, use_trunc, use_boot, garbage, float_flags):
-    gen, r, v, mask, term, trunc, tv, boot = draw(seed, b_, t_, p_pad if use_mask else 0.0, p_term, p_trunc)
+                                                      use_term, use_trunc, use_boot, garbage, float_flags, right):
+    gen, r, v, mask, term, trunc, tv, boot = draw(seed, b_, t_, p_pad if use_mask else 0.0, p_term, p_trunc,
+                                                  right=right and use_mask)
     term_ = term if use_term else None
     trunc_ = trunc & ~term if (use_trunc and use_term) else (trunc if use_trunc else None)
     expected = loop_gae(r, v, gamma, lam, mask, term_, trunc_, tv, boot if use_boot else None)

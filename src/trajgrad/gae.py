@@ -35,6 +35,8 @@ __all__ = ["GAEOutput", "gae", "token_skip_observation_gae", "skip_observation_g
 # From this lam up, advantages are read off the scan as (y - V) / lam, which at most doubles
 # the rounding error of y; below it they are rebuilt from the continuation flags.
 _DIRECT_LAM = 0.5
+# Right padding of at most this many rows is cleared by one tail fill per row.
+_ROW_FILL_MAX_ROWS = 64
 
 
 class GAEOutput(NamedTuple):
@@ -74,7 +76,7 @@ def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tenso
     return has & torch.gather(carry, -1, last[:, None])[:, 0]
 
 
-def _gae_scan(r, v, pad, carry, gamma, lam, n0, boot):
+def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     r"""Advantages and returns from validated ``r``, ``v`` (anything at ``pad`` steps).
 
     The scan runs on :math:`y_t=V_t+\lambda\hat A_t` and lets padding pass the carry through
@@ -91,41 +93,73 @@ def _gae_scan(r, v, pad, carry, gamma, lam, n0, boot):
     Then :math:`\hat A_t=(y_t-V_t)/\lambda`, or for a small :math:`\lambda` (where that
     division would amplify rounding) :math:`r_t-V_t+\gamma(c_ty_{t+1}+N^0_t)`.
 
+    ``carry`` is ``None`` when every valid step carries, and the coefficient is then the one
+    number :math:`\gamma\lambda`. ``ends`` (``[B]``, -1 for an empty row) is given when the
+    padding of every row only trails its valid steps: nothing then has to pass through the
+    padding (its offset is 0 and nothing valid follows), and the bootstrap enters at the
+    last valid step directly.
+
     Padding entries are replaced by selection (``masked_fill_``) before they are read and
     after every step that could have carried stored NaN/inf into them, so nothing stored
-    there reaches a valid output. Two ``[B, T]`` buffers are allocated, the two outputs;
-    the coefficients live in the advantage buffer until the scan is done.
+    there reaches a valid output. One ``[2, B, T]`` block is allocated for the two outputs;
+    the coefficients live in the advantage half until the scan is done.
     """
     length = r.shape[-1]
     rate = gamma * lam
+    direct = lam >= _DIRECT_LAM
+    # With a direct read-off the scan runs on y / lam (the recurrence is linear), which turns
+    # both the offset and the read-off into one operation each.
+    scale = 1.0 / lam if direct else 1.0
+    starts = None
+    if ends is not None and pad.shape[0] <= _ROW_FILL_MAX_ROWS:
+        starts = (ends + 1).tolist()
+
+    def clear_padding_(x, value):
+        """Select ``value`` at the padding: a tail fill per row for right padding."""
+        if starts is None:
+            return x.masked_fill_(pad, value)
+        for row, start in enumerate(starts):
+            if start < length:
+                x[row, start:].fill_(value)
+        return x
+
     # One allocation for both outputs: the allocator hands the same block back on the next
     # call instead of returning two half-sized ones to the system (a page fault per 4 KiB).
     both = torch.empty((2,) + tuple(r.shape), dtype=r.dtype, device=r.device)
     work, y = both[0], both[1]  # coefficients then advantages; y then returns
-    torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
+    if direct:
+        torch.add(r, v, alpha=(1.0 - lam) / lam, out=y)  # ((1 - lam) V + lam r) / lam
+    else:
+        torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     if n0 is not None:
-        y.add_(n0, alpha=rate)
+        y.add_(n0, alpha=rate * scale)
     if pad is not None:
-        y.masked_fill_(pad, 0.0)
+        clear_padding_(y, 0.0)
     if carry is None:
         c: Union[float, torch.Tensor] = rate
     else:
         work.copy_(carry)
         work.mul_(rate)
-        if pad is not None:
-            work.masked_fill_(pad, 1.0)
+        if pad is not None and ends is None:
+            work.masked_fill_(pad, 1.0)  # padding passes the carry through
         c = work
+    rows = idx = None
     if boot is not None and length:
-        if isinstance(c, torch.Tensor):
-            y[:, -1].addcmul_(c[:, -1], boot)
+        if ends is None:
+            if isinstance(c, torch.Tensor):
+                y[:, -1].addcmul_(c[:, -1], boot, value=scale)
+            else:
+                y[:, -1].add_(boot, alpha=c * scale)
         else:
-            y[:, -1].add_(boot, alpha=c)
+            rows = torch.nonzero(ends >= 0).flatten()
+            idx = ends[rows]
+            at = c[rows, idx] if isinstance(c, torch.Tensor) else rate
+            y.index_put_((rows, idx), at * scale * boot[rows], accumulate=True)
     suffix_affine_scan_(y, c)
 
     adv = work
-    if lam >= _DIRECT_LAM:
-        torch.sub(y, v, out=adv)
-        adv.mul_(1.0 / lam)
+    if direct:
+        torch.sub(y, v, alpha=scale, out=adv)  # y / lam - V / lam
     else:
         # gamma * (carry * y[t + 1] + N0) + r - V
         if carry is None:
@@ -133,20 +167,25 @@ def _gae_scan(r, v, pad, carry, gamma, lam, n0, boot):
         else:
             adv.copy_(carry)
         if length:
+            if rows is not None:
+                flags = adv[rows, idx]
             adv[:, :-1].mul_(y[:, 1:])
             if boot is None:
                 adv[:, -1].zero_()
             else:
                 adv[:, -1].mul_(boot)
+            if rows is not None:
+                # trailing padding does not pass the bootstrap back: it enters here
+                adv[rows, idx] = flags * boot[rows]
         adv.mul_(gamma)
         if n0 is not None:
             adv.add_(n0, alpha=gamma)
         adv.add_(r).sub_(v)
     if pad is not None:
-        adv.masked_fill_(pad, 0.0)
+        clear_padding_(adv, 0.0)
     ret = torch.add(adv, v, out=y)
     if pad is not None:
-        ret.masked_fill_(pad, 0.0)
+        clear_padding_(ret, 0.0)
     return adv, ret
 
 
@@ -172,10 +211,18 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     trunc = _optional_flag("truncated", truncated, shape, m, device)
     if trunc is not None and term is not None:
         trunc = trunc & ~term
-    carry = m
-    for stop in (term, trunc):
-        if stop is not None:
-            carry = ~stop if carry is None else carry & ~stop
+    stop = None
+    for flag in (term, trunc):
+        if flag is not None:
+            stop = flag if stop is None else stop | flag
+    # Right padding (every row's valid steps first): nothing needs to pass through padding.
+    ends = None
+    if m is not None and length and bool((m[:, 1:] <= m[:, :-1]).all()):
+        ends = torch.count_nonzero(m, -1) - 1
+    if stop is None:
+        carry = None if (m is None or ends is not None) else m
+    else:
+        carry = ~stop if m is None else m & ~stop
 
     n0 = None  # the next value where the carry stops at a truncation
     if truncation_value is None:
@@ -204,7 +251,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
 
     with torch.no_grad():
         pad = None if m is None else ~m
-        adv, ret = _gae_scan(r, v, pad, carry, gamma, lam, n0, boot)
+        adv, ret = _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot)
     return GAEOutput(adv, ret)
 
 
