@@ -35,8 +35,6 @@ __all__ = ["GAEOutput", "gae", "token_skip_observation_gae", "skip_observation_g
 # From this lam up, advantages are read off the scan as (y - V) / lam, which at most doubles
 # the rounding error of y; below it they are rebuilt from the continuation flags.
 _DIRECT_LAM = 0.5
-# Right padding of at most this many rows is cleared by one tail fill per row.
-_ROW_FILL_MAX_ROWS = 64
 
 
 class GAEOutput(NamedTuple):
@@ -76,6 +74,78 @@ def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tenso
     return has & torch.gather(carry, -1, last[:, None])[:, 0]
 
 
+# Right padding of at most this many rows is cleared by one tail fill per row.
+_TAIL_FILL_MAX_ROWS = 64
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
+class _Padding:
+    """Selection at the padding steps by the bits of the numbers, without branches.
+
+    ``keep`` holds all-one bits at valid steps and zero bits at padding, in the integer type
+    as wide as the float type, so ``bits(x) & keep`` is ``x`` at a valid step and ``+0.0``
+    at padding whatever was stored there (NaN and ±inf included): a selection, not
+    arithmetic, and as fast as one multiply. Other dtypes fall back to ``masked_fill_``.
+    """
+
+    def __init__(self, mask: torch.Tensor, dtype: torch.dtype, ends: Optional[torch.Tensor] = None):
+        self.mask = mask
+        self.int = _BITS.get(dtype)
+        self.dtype = dtype
+        # Right padding of a few rows: one contiguous tail fill per row selects just as well.
+        self.starts = None if ends is None or mask.shape[0] > _TAIL_FILL_MAX_ROWS else (ends + 1).tolist()
+        self._pad = self._keep = None
+
+    @property
+    def pad(self) -> torch.Tensor:
+        if self._pad is None:
+            self._pad = ~self.mask
+        return self._pad
+
+    @property
+    def keep(self) -> Optional[torch.Tensor]:
+        if self._keep is None and self.int is not None:
+            self._keep = self.mask.to(self.int).neg_()
+        return self._keep
+
+    def bits(self, value: float) -> int:
+        return int(torch.tensor(value, dtype=self.dtype).view(self.int).item())
+
+    def zero_(self, x: torch.Tensor) -> torch.Tensor:
+        if self.starts is not None:
+            length = x.shape[-1]
+            for row, start in enumerate(self.starts):
+                if start < length:
+                    x[row, start:].zero_()
+            return x
+        if self.keep is None:
+            return x.masked_fill_(self.pad, 0.0)
+        x.view(self.int).bitwise_and_(self.keep)
+        return x
+
+    def coefficients_(self, out: torch.Tensor, carry: Optional[torch.Tensor], rate: float,
+                      scratch: torch.Tensor) -> torch.Tensor:
+        """``out`` = ``rate`` where ``carry`` (all valid steps when ``None``), 0 at other valid
+        steps, 1 at padding (which passes the carry through). ``scratch`` is overwritten."""
+        if self.keep is None:
+            out.copy_(self.pad.logical_not() if carry is None else carry).mul_(rate)
+            return out.masked_fill_(self.pad, 1.0)
+        one, rate_bits = self.bits(1.0), self.bits(rate)
+        bits = out.view(self.int)
+        if carry is None:
+            torch.bitwise_and(self.keep, one ^ rate_bits, out=bits)
+            bits.bitwise_xor_(one)  # valid: rate, padding: 1
+            return out
+        torch.bitwise_and(self.keep, one, out=bits)
+        bits.bitwise_xor_(one)  # valid: 0, padding: 1
+        flags = scratch.view(self.int)
+        flags.copy_(carry)
+        flags.neg_().bitwise_and_(rate_bits)
+        bits.bitwise_or_(flags)  # carrying steps: rate
+        return out
+
+
 def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     r"""Advantages and returns from validated ``r``, ``v`` (anything at ``pad`` steps).
 
@@ -110,23 +180,16 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     # With a direct read-off the scan runs on y / lam (the recurrence is linear), which turns
     # both the offset and the read-off into one operation each.
     scale = 1.0 / lam if direct else 1.0
-    starts = None
-    if ends is not None and pad.shape[0] <= _ROW_FILL_MAX_ROWS:
-        starts = (ends + 1).tolist()
-
-    def clear_padding_(x, value):
-        """Select ``value`` at the padding: a tail fill per row for right padding."""
-        if starts is None:
-            return x.masked_fill_(pad, value)
-        for row, start in enumerate(starts):
-            if start < length:
-                x[row, start:].fill_(value)
-        return x
-
     # One allocation for both outputs: the allocator hands the same block back on the next
     # call instead of returning two half-sized ones to the system (a page fault per 4 KiB).
     both = torch.empty((2,) + tuple(r.shape), dtype=r.dtype, device=r.device)
     work, y = both[0], both[1]  # coefficients then advantages; y then returns
+    if carry is None:
+        c: Union[float, torch.Tensor] = rate
+    elif pad is not None and ends is None:
+        c = pad.coefficients_(work, None if carry is pad.mask else carry, rate, scratch=y)
+    else:
+        c = work.copy_(carry).mul_(rate)  # no padding, or padding that nothing has to cross
     if direct:
         torch.add(r, v, alpha=(1.0 - lam) / lam, out=y)  # ((1 - lam) V + lam r) / lam
     else:
@@ -134,15 +197,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     if n0 is not None:
         y.add_(n0, alpha=rate * scale)
     if pad is not None:
-        clear_padding_(y, 0.0)
-    if carry is None:
-        c: Union[float, torch.Tensor] = rate
-    else:
-        work.copy_(carry)
-        work.mul_(rate)
-        if pad is not None and ends is None:
-            work.masked_fill_(pad, 1.0)  # padding passes the carry through
-        c = work
+        pad.zero_(y)
     rows = idx = None
     if boot is not None and length:
         if ends is None:
@@ -182,10 +237,10 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
             adv.add_(n0, alpha=gamma)
         adv.add_(r).sub_(v)
     if pad is not None:
-        clear_padding_(adv, 0.0)
+        pad.zero_(adv)
     ret = torch.add(adv, v, out=y)
     if pad is not None:
-        clear_padding_(ret, 0.0)
+        pad.zero_(ret)
     return adv, ret
 
 
@@ -217,7 +272,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             stop = flag if stop is None else stop | flag
     # Right padding (every row's valid steps first): nothing needs to pass through padding.
     ends = None
-    if m is not None and length and bool((m[:, 1:] <= m[:, :-1]).all()):
+    if m is not None and length and (length == 1 or bool((m[:, 1:] <= m[:, :-1]).min())):
         ends = torch.count_nonzero(m, -1) - 1
     if stop is None:
         carry = None if (m is None or ends is not None) else m
@@ -250,7 +305,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             boot = _checks.fill_masked(boot, read)
 
     with torch.no_grad():
-        pad = None if m is None else ~m
+        pad = None if m is None else _Padding(m, dtype, ends)
         adv, ret = _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot)
     return GAEOutput(adv, ret)
 
