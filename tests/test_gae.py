@@ -276,3 +276,48 @@ def test_non_finite_at_valid_steps_still_raise(bad):
         gae(torch.zeros(2, 5), torch.zeros(2, 5), gamma=0.9, lam=0.9, mask=mask, bootstrap_value=torch.tensor([0, bad]))
     with pytest.raises(ValueError, match="next_action_values"):
         skip_observation_gae(torch.zeros(2, 5), v, torch.zeros(2, 5), torch.zeros(2, 5), 0.9, 0.9)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16, torch.bfloat16])
+def test_bitwise_selection_is_exact_selection(dtype):
+    from trajgrad._steps import Padding
+
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(3, 50, generator=gen) > 0.4
+    x = torch.randn(3, 50, generator=gen).to(dtype)
+    x[~mask] = torch.tensor([NAN, INF, -INF, -0.0, 7.0], dtype=dtype).repeat(50)[: int((~mask).sum())]
+    expected = torch.where(mask, x, torch.zeros((), dtype=dtype))
+    pad = Padding(mask, dtype)
+    assert torch.equal(pad.zero_(x.clone()), expected)
+    out, scratch = torch.empty_like(x), torch.empty_like(x)
+    carry = mask & (torch.rand(3, 50, generator=gen) > 0.3)
+    rate = torch.tensor(0.9 * 0.95, dtype=dtype).item()
+    k = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
+    want = torch.where(mask, torch.where(carry, k(rate), k(0.0)), k(1.0))
+    assert torch.equal(pad.coefficients_(out, carry, rate, scratch), want)
+    want_all = torch.where(mask, k(rate), k(1.0))
+    assert torch.equal(pad.coefficients_(out, None, rate, scratch), want_all)
+
+
+def test_many_right_padded_rows_and_low_precision_with_garbage():
+    """More rows than the per-row tail fill handles (bitwise path), and float32 inputs."""
+    gen = torch.Generator().manual_seed(9)
+    b_, t_ = 70, 41
+    r = torch.randn(b_, t_, generator=gen, dtype=F64)
+    v = torch.randn(b_, t_, generator=gen, dtype=F64)
+    lengths = torch.randint(0, t_ + 1, (b_,), generator=gen)
+    mask = torch.arange(t_)[None, :] < lengths[:, None]
+    term = (torch.rand(b_, t_, generator=gen) < 0.1) & mask
+    boot = torch.randn(b_, generator=gen, dtype=F64)
+    expected = loop_gae(r, v, 0.97, 0.9, mask, term, None, None, boot)
+    reads = last_valid_carries(mask, term, None)
+    out = gae(torch.where(mask, r, NAN), torch.where(mask, v, INF), gamma=0.97, lam=0.9, mask=mask, terminated=term,
+              bootstrap_value=torch.where(reads, boot, NAN))
+    torch.testing.assert_close(out.advantages, expected, rtol=0, atol=1e-10)
+    out2 = gae(torch.where(mask, r, NAN), v, gamma=0.97, lam=0.9, mask=mask, bootstrap_value=boot)
+    torch.testing.assert_close(out2.advantages, loop_gae(r, v, 0.97, 0.9, mask, None, None, None, boot),
+                               rtol=0, atol=1e-10)
+    out32 = gae(torch.where(mask, r, NAN).float(), v.float(), gamma=0.97, lam=0.9, mask=mask, terminated=term,
+                bootstrap_value=boot.float())
+    assert out32.advantages.dtype == torch.float32 and torch.isfinite(out32.advantages).all()
+    torch.testing.assert_close(out32.advantages.double(), expected, rtol=0, atol=1e-4)

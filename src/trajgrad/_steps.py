@@ -1,8 +1,9 @@
-"""Validation of per-step inputs shared by :mod:`trajgrad.returns` and :mod:`trajgrad.gae`.
+"""Per-step inputs of :mod:`trajgrad.returns` and :mod:`trajgrad.gae`: validation and selection.
 
 Each helper raises ``ValueError`` naming the argument (see :mod:`trajgrad._checks`) and
 returns detached floating-point tensors. Masked steps may hold anything, NaN and ±inf
-included; the helpers that zero them do so by selection, never by multiplication.
+included; the helpers that zero them do so by selection, never by multiplication
+(:class:`Padding` selects on the bits of the numbers).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = [
     "flag",
     "coefficients",
     "all_finite",
+    "Padding",
 ]
 
 
@@ -121,3 +123,75 @@ def all_finite(x: torch.Tensor) -> bool:
     if not x.is_floating_point() or x.numel() == 0:
         return True
     return bool(torch.isfinite(x.sum()))
+
+
+# Right padding of at most this many rows is cleared by one tail fill per row.
+_TAIL_FILL_MAX_ROWS = 64
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
+class Padding:
+    """Selection at the padding steps by the bits of the numbers, without branches.
+
+    ``keep`` holds all-one bits at valid steps and zero bits at padding, in the integer type
+    as wide as the float type, so ``bits(x) & keep`` is ``x`` at a valid step and ``+0.0``
+    at padding whatever was stored there (NaN and ±inf included): a selection, not
+    arithmetic, and as fast as one multiply. Other dtypes fall back to ``masked_fill_``.
+    """
+
+    def __init__(self, mask: torch.Tensor, dtype: torch.dtype, ends: Optional[torch.Tensor] = None):
+        self.mask = mask
+        self.int = _BITS.get(dtype)
+        self.dtype = dtype
+        # Right padding of a few rows: one contiguous tail fill per row selects just as well.
+        self.starts = None if ends is None or mask.shape[0] > _TAIL_FILL_MAX_ROWS else (ends + 1).tolist()
+        self._pad = self._keep = None
+
+    @property
+    def pad(self) -> torch.Tensor:
+        if self._pad is None:
+            self._pad = ~self.mask
+        return self._pad
+
+    @property
+    def keep(self) -> Optional[torch.Tensor]:
+        if self._keep is None and self.int is not None:
+            self._keep = self.mask.to(self.int).neg_()
+        return self._keep
+
+    def bits(self, value: float) -> int:
+        return int(torch.tensor(value, dtype=self.dtype).view(self.int).item())
+
+    def zero_(self, x: torch.Tensor) -> torch.Tensor:
+        if self.starts is not None:
+            length = x.shape[-1]
+            for row, start in enumerate(self.starts):
+                if start < length:
+                    x[row, start:].zero_()
+            return x
+        if self.keep is None:
+            return x.masked_fill_(self.pad, 0.0)
+        x.view(self.int).bitwise_and_(self.keep)
+        return x
+
+    def coefficients_(self, out: torch.Tensor, carry: Optional[torch.Tensor], rate: float,
+                      scratch: torch.Tensor) -> torch.Tensor:
+        """``out`` = ``rate`` where ``carry`` (all valid steps when ``None``), 0 at other valid
+        steps, 1 at padding (which passes the carry through). ``scratch`` is overwritten."""
+        if self.keep is None:
+            out.copy_(self.pad.logical_not() if carry is None else carry).mul_(rate)
+            return out.masked_fill_(self.pad, 1.0)
+        one, rate_bits = self.bits(1.0), self.bits(rate)
+        bits = out.view(self.int)
+        if carry is None:
+            torch.bitwise_and(self.keep, one ^ rate_bits, out=bits)
+            bits.bitwise_xor_(one)  # valid: rate, padding: 1
+            return out
+        torch.bitwise_and(self.keep, one, out=bits)
+        bits.bitwise_xor_(one)  # valid: 0, padding: 1
+        flags = scratch.view(self.int)
+        flags.copy_(carry)
+        flags.neg_().bitwise_and_(rate_bits)
+        bits.bitwise_or_(flags)  # carrying steps: rate
+        return out

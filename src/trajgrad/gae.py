@@ -15,9 +15,10 @@ values detached, no output carries a gradient. The names are re-exported by
 Cost. Each function is one backward affine scan (:mod:`trajgrad._scan`, in place) plus a
 fixed number of elementwise passes over ``[B, T]``: there is no Python loop over time, no
 gather of the next valid step, and the flags only change the per-step coefficient of the
-one scan. Padding contents are removed by selection (``masked_fill_`` / ``torch.where``)
-before anything reads them and again from the outputs, so stored NaN/±inf never leak; the
-only large allocations are the outputs.
+one scan. Padding contents are removed by selection (:class:`trajgrad._steps.Padding`: a bitwise
+AND with the mask, or a tail fill per row for right padding) before anything reads them and
+again from the outputs, so stored NaN/±inf never leak; the only large allocation is the
+outputs' block.
 """
 from __future__ import annotations
 
@@ -74,76 +75,14 @@ def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tenso
     return has & torch.gather(carry, -1, last[:, None])[:, 0]
 
 
-# Right padding of at most this many rows is cleared by one tail fill per row.
-_TAIL_FILL_MAX_ROWS = 64
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-         torch.bfloat16: torch.int16}
-
-
-class _Padding:
-    """Selection at the padding steps by the bits of the numbers, without branches.
-
-    ``keep`` holds all-one bits at valid steps and zero bits at padding, in the integer type
-    as wide as the float type, so ``bits(x) & keep`` is ``x`` at a valid step and ``+0.0``
-    at padding whatever was stored there (NaN and ±inf included): a selection, not
-    arithmetic, and as fast as one multiply. Other dtypes fall back to ``masked_fill_``.
-    """
-
-    def __init__(self, mask: torch.Tensor, dtype: torch.dtype, ends: Optional[torch.Tensor] = None):
-        self.mask = mask
-        self.int = _BITS.get(dtype)
-        self.dtype = dtype
-        # Right padding of a few rows: one contiguous tail fill per row selects just as well.
-        self.starts = None if ends is None or mask.shape[0] > _TAIL_FILL_MAX_ROWS else (ends + 1).tolist()
-        self._pad = self._keep = None
-
-    @property
-    def pad(self) -> torch.Tensor:
-        if self._pad is None:
-            self._pad = ~self.mask
-        return self._pad
-
-    @property
-    def keep(self) -> Optional[torch.Tensor]:
-        if self._keep is None and self.int is not None:
-            self._keep = self.mask.to(self.int).neg_()
-        return self._keep
-
-    def bits(self, value: float) -> int:
-        return int(torch.tensor(value, dtype=self.dtype).view(self.int).item())
-
-    def zero_(self, x: torch.Tensor) -> torch.Tensor:
-        if self.starts is not None:
-            length = x.shape[-1]
-            for row, start in enumerate(self.starts):
-                if start < length:
-                    x[row, start:].zero_()
-            return x
-        if self.keep is None:
-            return x.masked_fill_(self.pad, 0.0)
-        x.view(self.int).bitwise_and_(self.keep)
-        return x
-
-    def coefficients_(self, out: torch.Tensor, carry: Optional[torch.Tensor], rate: float,
-                      scratch: torch.Tensor) -> torch.Tensor:
-        """``out`` = ``rate`` where ``carry`` (all valid steps when ``None``), 0 at other valid
-        steps, 1 at padding (which passes the carry through). ``scratch`` is overwritten."""
-        if self.keep is None:
-            out.copy_(self.pad.logical_not() if carry is None else carry).mul_(rate)
-            return out.masked_fill_(self.pad, 1.0)
-        one, rate_bits = self.bits(1.0), self.bits(rate)
-        bits = out.view(self.int)
-        if carry is None:
-            torch.bitwise_and(self.keep, one ^ rate_bits, out=bits)
-            bits.bitwise_xor_(one)  # valid: rate, padding: 1
-            return out
-        torch.bitwise_and(self.keep, one, out=bits)
-        bits.bitwise_xor_(one)  # valid: 0, padding: 1
-        flags = scratch.view(self.int)
-        flags.copy_(carry)
-        flags.neg_().bitwise_and_(rate_bits)
-        bits.bitwise_or_(flags)  # carrying steps: rate
-        return out
+def _right_padding_ends(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[B]`` index of each row's last valid step (-1 if none) when the padding only trails
+    the valid steps of every row (then nothing has to pass through padding); else ``None``."""
+    if mask is None or mask.shape[-1] == 0:
+        return None
+    if mask.shape[-1] > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).min()):
+        return None
+    return torch.count_nonzero(mask, -1) - 1
 
 
 def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
@@ -169,9 +108,9 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     padding (its offset is 0 and nothing valid follows), and the bootstrap enters at the
     last valid step directly.
 
-    Padding entries are replaced by selection (``masked_fill_``) before they are read and
-    after every step that could have carried stored NaN/inf into them, so nothing stored
-    there reaches a valid output. One ``[2, B, T]`` block is allocated for the two outputs;
+    Padding entries are replaced by selection (``pad``, a :class:`trajgrad._steps.Padding`)
+    before they are read and after every step that could have carried stored NaN/inf into
+    them, so nothing stored there reaches a valid output. One ``[2, B, T]`` block is allocated for the two outputs;
     the coefficients live in the advantage half until the scan is done.
     """
     length = r.shape[-1]
@@ -270,10 +209,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     for flag in (term, trunc):
         if flag is not None:
             stop = flag if stop is None else stop | flag
-    # Right padding (every row's valid steps first): nothing needs to pass through padding.
-    ends = None
-    if m is not None and length and (length == 1 or bool((m[:, 1:] <= m[:, :-1]).min())):
-        ends = torch.count_nonzero(m, -1) - 1
+    ends = _right_padding_ends(m)
     if stop is None:
         carry = None if (m is None or ends is not None) else m
     else:
@@ -305,7 +241,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             boot = _checks.fill_masked(boot, read)
 
     with torch.no_grad():
-        pad = None if m is None else _Padding(m, dtype, ends)
+        pad = None if m is None else _steps.Padding(m, dtype, ends)
         adv, ret = _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot)
     return GAEOutput(adv, ret)
 
@@ -492,17 +428,17 @@ def skip_observation_gae(
         if not _steps.all_finite(x):
             _checks.check_finite(name, x, where)
     with torch.no_grad():
+        ends = _right_padding_ends(m)
+        pad = None if m is None else _steps.Padding(m, dtype, ends)
         # delta = r + gamma * carry * V_next - V_end, by selection where an input is not read
         adv = torch.where(carry, next_v.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
         adv.mul_(gamma).add_(rewards.to(dtype)).sub_(end_v.to(dtype))
-        c = torch.empty_like(adv)
-        c.copy_(carry)
-        c.mul_(gamma * lam)
-        if m is not None:
-            pad = ~m
-            adv.masked_fill_(pad, 0.0)
-            c.masked_fill_(pad, 1.0)  # padding passes the carry through
+        c = torch.empty_like(adv).copy_(carry).mul_(gamma * lam)
+        if pad is not None:
+            pad.zero_(adv)
+            if ends is None:
+                c.masked_fill_(pad.pad, 1.0)  # padding passes the carry through
         suffix_affine_scan_(adv, c)
-        if m is not None:
-            adv.masked_fill_(pad, 0.0)
+        if pad is not None:
+            pad.zero_(adv)
     return adv[0] if squeeze else adv
