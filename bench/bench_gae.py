@@ -268,7 +268,8 @@ def main(argv=None):
                 plain_loop_s = loop_s
             obs = 1.0 - float(valid.float().mean())
             faults = med(ours_f)
-            rows.append((name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_loop_s, faults, err))
+            rows.append((name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_loop_s, faults,
+                         err))
             print(f"{name:<66} B={batch:<3} L={length:<7} loop {loop_s:7.3f} s  ours {1e3 * ours_s:7.2f} ms  "
                   f"{loop_s / ours_s:6.0f}x loop (CPU time {cpu_ratio:6.0f}x)  {ours_s / fma_s:5.1f}x FMA  "
                   f"{ours_s / where_s:5.1f}x where  faults {faults:.0f}  diff {err:.1e}", flush=True)
@@ -310,7 +311,8 @@ def main(argv=None):
         "- loop: Python loop over time, batch vectorized (the TRL / verl pattern), carrying value and advantage "
         "across mask-0 steps; each case runs the cheapest loop with its features ('vs plain loop': the plain "
         "GAE loop of the same shape instead)",
-        "- trajgrad: one backward affine scan per call (per-step coefficient from the flags), input validation included",
+        "- trajgrad: one backward affine scan per call (per-step coefficient from the flags), "
+        "input validation included",
         "- one-pass floor: `torch.addcmul(rewards, values, values)` and `torch.where(mask, rewards, values)` "
         "over the same `[B, L]` float64 tensors",
         f"- every result agrees with its loop to 1e-10 (asserted); largest difference {worst:.1e}",

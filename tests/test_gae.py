@@ -147,7 +147,8 @@ def test_token_level_matches_loop_on_transcripts(seed, n_actions, gamma, lam, ga
     expected = loop_gae(r, v, gamma, lam, mask, term, trunc, tv, boot)
     kwargs = dict(bootstrap_value=boot)
     if flags:
-        kwargs.update(terminated=term, truncated=trunc, truncation_value=torch.where(trunc, tv, torch.full_like(tv, NAN)))
+        kwargs.update(terminated=term, truncated=trunc,
+                      truncation_value=torch.where(trunc, tv, torch.full_like(tv, NAN)))
     out = token_skip_observation_gae(torch.where(mask, v, garbage_like(v, garbage, gen)),
                                      torch.where(mask, r, garbage_like(r, garbage, gen)), mask,
                                      gamma=gamma, lam=lam, **kwargs)

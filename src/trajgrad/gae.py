@@ -78,7 +78,7 @@ def _last_step_carries(mask: Optional[torch.Tensor], carry: Optional[torch.Tenso
 def _right_padding_ends(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``[B]`` index of each row's last valid step (-1 if none) when the padding only trails
     the valid steps of every row (then nothing has to pass through padding); else ``None``."""
-    if mask is None or mask.shape[-1] == 0:
+    if mask is None or mask.numel() == 0:
         return None
     if mask.shape[-1] > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).min()):
         return None
@@ -110,8 +110,9 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
 
     Padding entries are replaced by selection (``pad``, a :class:`trajgrad._steps.Padding`)
     before they are read and after every step that could have carried stored NaN/inf into
-    them, so nothing stored there reaches a valid output. One ``[2, B, T]`` block is allocated for the two outputs;
-    the coefficients live in the advantage half until the scan is done.
+    them, so nothing stored there reaches a valid output. One ``[2, B, T]`` block is
+    allocated for the two outputs; the coefficients live in the advantage half until the
+    scan is done.
     """
     length = r.shape[-1]
     rate = gamma * lam
@@ -134,7 +135,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     else:
         torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     if n0 is not None:
-        y.add_(n0, alpha=rate * scale)
+        y.index_put_(n0[0], n0[1] * (rate * scale), accumulate=True)
     if pad is not None:
         pad.zero_(y)
     rows = idx = None
@@ -173,7 +174,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
                 adv[rows, idx] = flags * boot[rows]
         adv.mul_(gamma)
         if n0 is not None:
-            adv.add_(n0, alpha=gamma)
+            adv.index_put_(n0[0], n0[1] * gamma, accumulate=True)
         adv.add_(r).sub_(v)
     if pad is not None:
         pad.zero_(adv)
@@ -215,7 +216,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     else:
         carry = ~stop if m is None else m & ~stop
 
-    n0 = None  # the next value where the carry stops at a truncation
+    n0 = None  # (indices, values): the next value where the carry stops at a truncation
     if truncation_value is None:
         if trunc is not None and bool(trunc.any()):
             raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
@@ -224,9 +225,11 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             raise ValueError("truncation_value: given without truncated (it is read only at truncated steps)")
         tv = _steps.as_float("truncation_value", truncation_value)
         _checks.check_shape("truncation_value", tv, shape, against="rewards")
-        if not _steps.all_finite(tv):
-            _checks.check_finite("truncation_value", tv, trunc)
-        n0 = _checks.fill_masked(tv.to(dtype), trunc)
+        # Truncations are few: keep the values read, by index (nothing else of tv is read).
+        where = trunc.nonzero(as_tuple=True)
+        values_read = tv[where].to(dtype=dtype, device=device)
+        _checks.check_finite("truncation_value", values_read)
+        n0 = (where, values_read)
     boot = None
     if bootstrap_value is not None:
         bv = _steps.as_float("bootstrap_value", bootstrap_value)
