@@ -322,3 +322,17 @@ def test_many_right_padded_rows_and_low_precision_with_garbage():
                 bootstrap_value=boot.float())
     assert out32.advantages.dtype == torch.float32 and torch.isfinite(out32.advantages).all()
     torch.testing.assert_close(out32.advantages.double(), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_select_is_where(dtype):
+    from trajgrad._steps import select
+
+    gen = torch.Generator().manual_seed(6)
+    where = torch.rand(4, 33, generator=gen) > 0.5
+    x = torch.randn(4, 33, generator=gen).to(dtype)
+    x[~where] = NAN
+    x[0, ~where[0]] = -INF
+    out = select(x.t().contiguous().t(), where)  # any layout
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.where(where, x, torch.zeros((), dtype=dtype)))

@@ -25,6 +25,7 @@ __all__ = [
     "coefficients",
     "all_finite",
     "Padding",
+    "select",
 ]
 
 
@@ -195,3 +196,16 @@ class Padding:
         flags.neg_().bitwise_and_(rate_bits)
         bits.bitwise_or_(flags)  # carrying steps: rate
         return out
+
+
+def select(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """A new tensor: ``x`` where ``where``, ``+0.0`` elsewhere, whatever is stored there.
+
+    A bitwise AND of the numbers with an all-ones / all-zeros mask of the same width (see
+    :class:`Padding`); ``torch.where`` for dtypes without one. No arithmetic touches ``x``.
+    """
+    width = _BITS.get(x.dtype)
+    if width is None:
+        return _checks.fill_masked(x, where)
+    keep = where.to(width).neg_()
+    return keep.bitwise_and_(x.view(width)).view(x.dtype)

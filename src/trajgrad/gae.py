@@ -80,6 +80,9 @@ def _right_padding_ends(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     the valid steps of every row (then nothing has to pass through padding); else ``None``."""
     if mask is None or mask.numel() == 0:
         return None
+    first = mask[:, 0]
+    if not bool(first.all()) and bool(mask[~first].any()):
+        return None  # a row opens with padding and has valid steps later (a prompt, say)
     if mask.shape[-1] > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).min()):
         return None
     return torch.count_nonzero(mask, -1) - 1
@@ -135,7 +138,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     else:
         torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     if n0 is not None:
-        y.index_put_(n0[0], n0[1] * (rate * scale), accumulate=True)
+        y.add_(n0, alpha=rate * scale)
     if pad is not None:
         pad.zero_(y)
     rows = idx = None
@@ -174,7 +177,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
                 adv[rows, idx] = flags * boot[rows]
         adv.mul_(gamma)
         if n0 is not None:
-            adv.index_put_(n0[0], n0[1] * gamma, accumulate=True)
+            adv.add_(n0, alpha=gamma)
         adv.add_(r).sub_(v)
     if pad is not None:
         pad.zero_(adv)
@@ -216,7 +219,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     else:
         carry = ~stop if m is None else m & ~stop
 
-    n0 = None  # (indices, values): the next value where the carry stops at a truncation
+    n0 = None  # the next value where the carry stops at a truncation, 0 elsewhere
     if truncation_value is None:
         if trunc is not None and bool(trunc.any()):
             raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
@@ -225,11 +228,9 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             raise ValueError("truncation_value: given without truncated (it is read only at truncated steps)")
         tv = _steps.as_float("truncation_value", truncation_value)
         _checks.check_shape("truncation_value", tv, shape, against="rewards")
-        # Truncations are few: keep the values read, by index (nothing else of tv is read).
-        where = trunc.nonzero(as_tuple=True)
-        values_read = tv[where].to(dtype=dtype, device=device)
-        _checks.check_finite("truncation_value", values_read)
-        n0 = (where, values_read)
+        if not _steps.all_finite(tv):
+            _checks.check_finite("truncation_value", tv, trunc)
+        n0 = _steps.select(tv.to(dtype=dtype, device=device), trunc)  # read at truncations only
     boot = None
     if bootstrap_value is not None:
         bv = _steps.as_float("bootstrap_value", bootstrap_value)
@@ -434,7 +435,7 @@ def skip_observation_gae(
         ends = _right_padding_ends(m)
         pad = None if m is None else _steps.Padding(m, dtype, ends)
         # delta = r + gamma * carry * V_next - V_end, by selection where an input is not read
-        adv = torch.where(carry, next_v.to(dtype), torch.zeros((), dtype=dtype, device=rewards.device))
+        adv = _steps.select(next_v.to(dtype), carry)
         adv.mul_(gamma).add_(rewards.to(dtype)).sub_(end_v.to(dtype))
         c = torch.empty_like(adv).copy_(carry).mul_(gamma * lam)
         if pad is not None:
