@@ -328,8 +328,8 @@ def main(argv=None):
         "coefficient products are numbers too, about half the cost of a coefficient tensor) plus a fixed "
         "handful of passes: the offset, the read-off of advantages and returns, and the selection that "
         "removes padding contents (a bitwise AND with the mask, or one tail fill per row for right "
-        "padding). Flags only change the per-step coefficient of the one scan; truncation values and "
-        "bootstrap values are read by index.",
+        "padding). Flags only change the per-step coefficient of the one scan; truncation values are "
+        "selected the same way and bootstrap values read by index.",
         "",
         "Memory: the two outputs share one `[2, B, L]` block. Where the C allocator hands each call fresh "
         "pages from the system (it depends on the process's allocation history), every call also pays "

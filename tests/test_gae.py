@@ -290,14 +290,15 @@ def test_bitwise_selection_is_exact_selection(dtype):
     expected = torch.where(mask, x, torch.zeros((), dtype=dtype))
     pad = Padding(mask, dtype)
     assert torch.equal(pad.zero_(x.clone()), expected)
-    out, scratch = torch.empty_like(x), torch.empty_like(x)
+    out = torch.empty_like(x)
     carry = mask & (torch.rand(3, 50, generator=gen) > 0.3)
     rate = torch.tensor(0.9 * 0.95, dtype=dtype).item()
     k = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
     want = torch.where(mask, torch.where(carry, k(rate), k(0.0)), k(1.0))
-    assert torch.equal(pad.coefficients_(out, carry, rate, scratch), want)
+    assert torch.equal(pad.coefficients_(out, carry, rate), want)
+    assert torch.equal(pad.zero_(x.clone()), expected)  # the mask it borrowed is restored
     want_all = torch.where(mask, k(rate), k(1.0))
-    assert torch.equal(pad.coefficients_(out, None, rate, scratch), want_all)
+    assert torch.equal(pad.coefficients_(out, None, rate), want_all)
 
 
 def test_many_right_padded_rows_and_low_precision_with_garbage():
@@ -336,3 +337,6 @@ def test_select_is_where(dtype):
     out = select(x.t().contiguous().t(), where)  # any layout
     assert out.dtype == dtype
     assert torch.equal(out, torch.where(where, x, torch.zeros((), dtype=dtype)))
+    buf = torch.full_like(x, 5.0)
+    assert select(x, where, out=buf).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf, out)

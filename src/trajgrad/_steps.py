@@ -176,12 +176,11 @@ class Padding:
         x.view(self.int).bitwise_and_(self.keep)
         return x
 
-    def coefficients_(self, out: torch.Tensor, carry: Optional[torch.Tensor], rate: float,
-                      scratch: torch.Tensor) -> torch.Tensor:
+    def coefficients_(self, out: torch.Tensor, carry: Optional[torch.Tensor], rate: float) -> torch.Tensor:
         """``out`` = ``rate`` where ``carry`` (all valid steps when ``None``), 0 at other valid
-        steps, 1 at padding (which passes the carry through). ``scratch`` is overwritten."""
+        steps, 1 at padding (which passes the carry through). Allocates nothing."""
         if self.keep is None:
-            out.copy_(self.pad.logical_not() if carry is None else carry).mul_(rate)
+            out.copy_(self.mask if carry is None else carry).mul_(rate)
             return out.masked_fill_(self.pad, 1.0)
         one, rate_bits = self.bits(1.0), self.bits(rate)
         bits = out.view(self.int)
@@ -189,23 +188,25 @@ class Padding:
             torch.bitwise_and(self.keep, one ^ rate_bits, out=bits)
             bits.bitwise_xor_(one)  # valid: rate, padding: 1
             return out
-        torch.bitwise_and(self.keep, one, out=bits)
-        bits.bitwise_xor_(one)  # valid: 0, padding: 1
-        flags = scratch.view(self.int)
-        flags.copy_(carry)
-        flags.neg_().bitwise_and_(rate_bits)
-        bits.bitwise_or_(flags)  # carrying steps: rate
+        bits.copy_(carry)
+        bits.neg_().bitwise_and_(rate_bits)  # carrying steps: rate, others 0
+        keep = self.keep
+        keep.bitwise_not_().bitwise_and_(one)  # borrowed: bits of 1.0 at padding
+        bits.bitwise_or_(keep)
+        keep.copy_(self.mask).neg_()  # restored
         return out
 
 
-def select(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """A new tensor: ``x`` where ``where``, ``+0.0`` elsewhere, whatever is stored there.
+def select(x: torch.Tensor, where: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` where ``where``, ``+0.0`` elsewhere, whatever is stored there (into ``out`` if given).
 
     A bitwise AND of the numbers with an all-ones / all-zeros mask of the same width (see
     :class:`Padding`); ``torch.where`` for dtypes without one. No arithmetic touches ``x``.
     """
     width = _BITS.get(x.dtype)
     if width is None:
-        return _checks.fill_masked(x, where)
-    keep = where.to(width).neg_()
-    return keep.bitwise_and_(x.view(width)).view(x.dtype)
+        picked = _checks.fill_masked(x, where)
+        return picked if out is None else out.copy_(picked)
+    keep = where.to(width) if out is None else out.view(width).copy_(where)
+    keep.neg_().bitwise_and_(x.view(width))
+    return keep.view(x.dtype)

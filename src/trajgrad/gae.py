@@ -127,20 +127,20 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     # call instead of returning two half-sized ones to the system (a page fault per 4 KiB).
     both = torch.empty((2,) + tuple(r.shape), dtype=r.dtype, device=r.device)
     work, y = both[0], both[1]  # coefficients then advantages; y then returns
-    if carry is None:
-        c: Union[float, torch.Tensor] = rate
-    elif pad is not None and ends is None:
-        c = pad.coefficients_(work, None if carry is pad.mask else carry, rate, scratch=y)
-    else:
-        c = work.copy_(carry).mul_(rate)  # no padding, or padding that nothing has to cross
     if direct:
         torch.add(r, v, alpha=(1.0 - lam) / lam, out=y)  # ((1 - lam) V + lam r) / lam
     else:
         torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     if n0 is not None:
-        y.add_(n0, alpha=rate * scale)
+        y.add_(_steps.select(n0[0], n0[1], out=work), alpha=rate * scale)  # the work half as scratch
     if pad is not None:
         pad.zero_(y)
+    if carry is None:
+        c: Union[float, torch.Tensor] = rate
+    elif pad is not None and ends is None:
+        c = pad.coefficients_(work, None if carry is pad.mask else carry, rate)
+    else:
+        c = work.copy_(carry).mul_(rate)  # no padding, or padding that nothing has to cross
     rows = idx = None
     if boot is not None and length:
         if ends is None:
@@ -177,7 +177,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
                 adv[rows, idx] = flags * boot[rows]
         adv.mul_(gamma)
         if n0 is not None:
-            adv.add_(n0, alpha=gamma)
+            adv.add_(_steps.select(n0[0], n0[1]), alpha=gamma)
         adv.add_(r).sub_(v)
     if pad is not None:
         pad.zero_(adv)
@@ -219,7 +219,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     else:
         carry = ~stop if m is None else m & ~stop
 
-    n0 = None  # the next value where the carry stops at a truncation, 0 elsewhere
+    n0 = None  # (values, where): the next value where the carry stops at a truncation
     if truncation_value is None:
         if trunc is not None and bool(trunc.any()):
             raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
@@ -230,7 +230,7 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
         _checks.check_shape("truncation_value", tv, shape, against="rewards")
         if not _steps.all_finite(tv):
             _checks.check_finite("truncation_value", tv, trunc)
-        n0 = _steps.select(tv.to(dtype=dtype, device=device), trunc)  # read at truncations only
+        n0 = (tv.to(dtype=dtype, device=device), trunc)  # read at truncations only, by selection
     boot = None
     if bootstrap_value is not None:
         bv = _steps.as_float("bootstrap_value", bootstrap_value)
