@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import textwrap
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -180,89 +179,10 @@ class Objective:
     rollout_correction: RolloutCorrection = OFF
 
     def __post_init__(self) -> None:
+        from ._objective_checks import validate
+
         object.__setattr__(self, "rollout_correction", RolloutCorrection.coerce(self.rollout_correction))
-        _checks.check_choice("sapo_level", self.sapo_level, SAPO_LEVELS)
-        _finite_positive("weight_eps_low", self.weight_eps_low)
-        _checks.check_in_range("weight_eps_low", self.weight_eps_low, 0.0, 1.0, inclusive=(False, True))
-        for f in ("log_clip_low", "log_clip_high", "delta_low", "delta_high", "cov_ratio", "cov_kl_coef"):
-            _finite_positive(f, getattr(self, f), allow_zero=f == "cov_kl_coef")
-        _checks.check_in_range("cov_ratio", self.cov_ratio, 0.0, 1.0, inclusive=(False, True))
-        v = self.cov_low
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v < CLIP_COV_HIGH:
-            raise ValueError(f"cov_low: must be a finite number below {CLIP_COV_HIGH:g}, got {v!r}")
-        _checks.check_choice("loss", self.loss, tuple(POLICY_TERMS))
-        _checks.check_choice("advantage", self.advantage, tuple(ADVANTAGE_ESTIMATORS))
-        _checks.check_choice("aggregation", self.aggregation, MODES)
-        _checks.check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
-        _checks.check_choice("kl_kind", self.kl_kind, KL_KINDS)
-        _checks.check_choice("ratio_gradient", self.ratio_gradient, ("detached", "attached"))
-        _checks.check_choice("dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
-        for f in ("std_unbiased", "whiten_advantages", "kl_bias_correction"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"{f}: must be True or False, got {getattr(self, f)!r}")
-        _finite_positive("label_smoothing", self.label_smoothing, allow_zero=True)
-        _checks.check_in_range("label_smoothing", self.label_smoothing, 0.0, 0.5, inclusive=(True, False))
-        if isinstance(self.simpo_gamma, bool) or not isinstance(self.simpo_gamma, (int, float)) \
-                or not math.isfinite(self.simpo_gamma):
-            raise ValueError(f"simpo_gamma: must be a finite number, got {self.simpo_gamma!r}")
-        _finite_positive("eps_low", self.eps_low)
-        if "eps_low" in self.term.fields and not self.eps_low < 1:
-            raise ValueError(f"eps_low: must lie in (0, 1) (the lower bound 1 − eps_low must be positive), got {self.eps_low}")
-        if self.eps_high is not None:
-            _finite_positive("eps_high", self.eps_high)
-        if self.dual_clip is not None:
-            _finite_positive("dual_clip", self.dual_clip)
-            if not self.dual_clip > 1:
-                raise ValueError(f"dual_clip: must be > 1, got {self.dual_clip}")
-        for f in ("tau_pos", "tau_neg", "beta"):
-            _finite_positive(f, getattr(self, f))
-        _finite_positive("kl_coef", self.kl_coef, allow_zero=True)
-        _finite_positive("std_eps", self.std_eps, allow_zero=True)
-        _finite_positive("entropy_coef", self.entropy_coef, allow_zero=True)
-        for f in ("gamma", "lam"):
-            _finite_positive(f, getattr(self, f), allow_zero=True)
-            _checks.check_in_range(f, getattr(self, f), 0.0, 1.0)
-        if self.constant is not None:
-            _finite_positive("constant", self.constant)
-        if self.value_clip is not None:
-            _finite_positive("value_clip", self.value_clip)
-        for f in ("group_size", "critic_updates"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f}: must be an integer >= 1, got {v!r}")
-        est, term = self.estimator, self.term
-        if self.group_size < est.min_group:
-            raise ValueError(f"group_size: advantage {self.advantage!r} needs groups of >= {est.min_group}, "
-                             f"got {self.group_size}")
-        if self.dynamic_sampling and self.group_size < 2:
-            raise ValueError("dynamic_sampling: needs groups (group_size >= 2)")
-        if self.kl_placement == "none" and self.kl_coef != 0:
-            raise ValueError("kl_coef: is nonzero but kl_placement is 'none'")
-        if self.constant is not None and self.aggregation != "seq_sum_constant":
-            raise ValueError("constant: only used with aggregation 'seq_sum_constant'")
-        if est.needs_critic and not self.critic:
-            raise ValueError(f"critic: advantage {self.advantage!r} needs critic=True")
-        if self.critic and not est.needs_critic:
-            raise ValueError(f"critic: advantage {self.advantage!r} uses no value function; a critic would train unused")
-        if term.kind != "token":
-            if self.kl_placement != "none":
-                raise ValueError(f"kl_placement: loss {self.loss!r} ({term.kind}) takes no KL term; use 'none'")
-            if self.entropy_coef:
-                raise ValueError(f"entropy_coef: loss {self.loss!r} ({term.kind}) takes no entropy bonus")
-            if est.level != "none":
-                raise ValueError(f"advantage: loss {self.loss!r} ({term.kind}) takes no advantage; use 'none'")
-        elif est.level == "none":
-            raise ValueError(f"advantage: loss {self.loss!r} needs an advantage estimator, got 'none'")
-        if self.rollout_correction and term.kind != "token":
-            raise ValueError(f"rollout_correction: loss {self.loss!r} ({term.kind}) takes no rollout correction")
-        if self.rollout_correction and self.rollout_correction.mode == "decoupled" and term.ratio == "behaviour":
-            raise ValueError(f"rollout_correction: loss {self.loss!r} takes its ratio against the behaviour log-probs "
-                             "already; use mode 'bypass' (masks only) or no correction")
-        if term.sequence_advantages and est.level == "token":
-            raise ValueError(f"advantage: loss {self.loss!r} needs one advantage per response, {self.advantage!r} is per token")
-        for check in (term.validate, est.validate):
-            if check is not None:
-                check(self)
+        validate(self)
 
     # ------------------------------------------------------------------ the entries
     @property
@@ -521,172 +441,8 @@ def get_recipe(name: str, **overrides: Any) -> Objective:
     return obj.replace(**overrides) if overrides else obj
 
 
-# ---------------------------------------------------------------------- explain
-_AGG_TEXT = {
-    "token_mean": "Σ_i Σ_t m_it x_it / Σ_i L_i            (every token weighs the same; long responses weigh more)",
-    "seq_mean_token_mean": "(1/B) Σ_i (1/L_i) Σ_t m_it x_it     (every response weighs the same; tokens of long responses weigh less)",
-    "seq_mean_token_sum": "(1/B) Σ_i Σ_t m_it x_it             (sum over a response's tokens, mean over responses)",
-    "seq_sum_constant": "(1/B) Σ_i Σ_t m_it x_it / C          (C constant = {C}; no per-response length normalization)",
-    "token_sum": "Σ_i Σ_t m_it x_it                   (plain sum over valid tokens; no normalization)",
-}
-
-
-_K3 = "k3 = π_ref/π_θ − 1 − log(π_ref/π_θ)"
-_KL_TEXT = {
-    "k1": "k1 = log π_θ − log π_ref", "k2": "k2 = ½ (log π_θ − log π_ref)²", "k3": _K3,
-    "k1+": "k1+ = k2 − sg[k2] + sg[k1]  (value k1 = log π_θ − log π_ref, gradient of k2 = ½ z²: straight-through)",
-    "k3+": f"k3+ = k2 − sg[k2] + sg[k3]  (value {_K3}, gradient of k2 = ½ z²: straight-through)",
-    "low_var_kl": f"clip({_K3}, −10, 10)  (verl's low_var_kl; zero gradient where clipped)",
-    "low_var_kl+": f"k2 − sg[k2] + sg[clip(k3, −10, 10)]  ({_K3}; value clipped k3, gradient of k2 = ½ z²)",
-}
-
-
-def _kl_text(o: Objective) -> str:
-    k = _KL_TEXT[o.kl_kind]
-    if o.kl_placement == "none":
-        return "none"
-    if o.kl_placement == "reward":
-        return f"in the reward: r_t ← r_t − {o.kl_coef:g} · sg[{k}]  (per token, detached)"
-    if o.kl_bias_correction:
-        k = (f"ρ_t · [{k}],  ρ_t = π_θ/sg[π_old] attached (bias correction: unbiased reverse-KL gradient for "
-             "tokens sampled from π_old)")
-    return f"in the loss: + {o.kl_coef:g} · aggregate({k})  (same aggregation and denominator as the policy term)"
-
-
-_DPO_TEXT = {
-    "sigmoid": "− (1 − ε) log σ(z) − ε log σ(−z)   (DPO; ε = {ls:g} label smoothing, conservative DPO when > 0)",
-    "robust": "[− (1 − ε) log σ(z) + ε log σ(−z)] / (1 − 2ε),  ε = {ls:g}   (robust DPO under label noise)",
-    "hinge": "max(0, 1 − z)   (SLiC hinge)",
-    "ipo": "(h − 1/(2β))²,  h = z/β, per-token log-ratios when lengths are given (TRL)   (IPO)",
-    "simpo": ("− (1 − ε) log σ(x) − ε log σ(−x),  x = β (log π_θ(y_w)/|y_w| − log π_θ(y_l)/|y_l|) − {g:g},  ε = {ls:g}"
-              "   (SimPO: no reference model)"),
-}
-
-
-def _dpo_variant_text(o: Objective) -> str:
-    return ("preference loss: " + o.dpo_loss_type + ",  z = β [log π_θ(y_w) − log π_ref(y_w)] − β [log π_θ(y_l) − "
-            "log π_ref(y_l)]\n    loss = " + _DPO_TEXT[o.dpo_loss_type].format(ls=o.label_smoothing, g=o.simpo_gamma))
-
-
-def _aggregation_text(o: Objective) -> str:
-    if o.kind == "pairwise":
-        return "mean over preference pairs"
-    C = "the padded generation length L" if o.constant is None else f"{o.constant:g}"
-    text = _AGG_TEXT.get(o.aggregation)
-    line = f"loss = {text.format(C=C)}" if text else f"loss = aggregate(x, mode={o.aggregation!r})"
-    return (line + "\nmasked tokens (prompt, tool observations, padding) enter neither numerator nor denominator;\n"
-            "with micro-batches or ranks the denominator is the global count, summed before backward (§13)")
-
-
-def _detached(o: Objective) -> List[str]:
-    out = [] if o.kind == "distill" else ["advantages", "rewards"] if o.kind == "token" else []
-    out += list(o.term.detached_for(o))
-    if o.kl_placement != "none":
-        out.append("reference log-probs")
-    if o.critic:
-        out.append("value targets (GAE returns)")
-    if o.kind == "token" and o.rollout_correction:
-        out.append("rollout-correction weights and masks")
-    return list(dict.fromkeys(out))
-
-
-def sections(recipe: "str | Objective", **overrides: Any) -> Dict[str, str]:
-    """The parts of :func:`explain`'s text by name, always the same keys (``explain_diff`` compares them)."""
-    o = _resolve(recipe, **overrides)
-    s: Dict[str, str] = {
-        "advantage": o.estimator.text(o),
-        "per-token term (to minimize)": o.term.text(o) + ("\n" + _dpo_variant_text(o) if o.kind == "pairwise" else ""),
-        "aggregation": o.aggregation + "\n" + _aggregation_text(o),
-        "KL to reference": _kl_text(o),
-        "critic": "none",
-        "entropy bonus": "off",
-        "dynamic sampling": "off",
-        "sampling": f"{o.group_size} rollout(s) per prompt",
-        "rollout correction": o.rollout_correction.describe() if o.kind == "token" else "off",
-    }
-    if o.critic:
-        vc = f"clipped to ±{o.value_clip:g} around the old value" if o.value_clip is not None else "unclipped"
-        s["critic"] = (f"value loss ½ (V − sg[R̂])² ({vc}), token mean, own optimizer and backward pass; "
-                       f"{o.critic_updates} critic update(s) per actor update")
-    if o.entropy_coef:
-        s["entropy bonus"] = (f"− {o.entropy_coef:g} · aggregate(H(π_θ)),  H = exact entropy of the full sampling "
-                              "distribution (same aggregation and denominator)")
-    if o.dynamic_sampling:
-        s["dynamic sampling"] = ("groups whose rewards have zero variance are resampled; each discarded group and the "
-                                 "tokens it cost are logged (this changes which prompts enter the update, §11)")
-    s["detached (stop-gradient)"] = ", ".join(_detached(o))
-    return s
-
-
-def _resolve(recipe: "str | Objective", **overrides: Any) -> Objective:
-    if isinstance(recipe, str):
-        return get_recipe(recipe, **overrides)
-    if not isinstance(recipe, Objective):
-        raise ValueError(f"recipe: expected a recipe name or an Objective, got {type(recipe).__name__}")
-    return recipe.replace(**overrides) if overrides else recipe
-
-
-def explain(recipe: "str | Objective", **overrides: Any) -> str:
-    """The exact estimator a recipe optimizes, as text generated from its registry entries and fields."""
-    o = _resolve(recipe, **overrides)
-    lines = [f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}"]
-    for title, body in sections(o).items():
-        if title in ("critic", "entropy bonus", "dynamic sampling", "rollout correction") and body in ("none", "off"):
-            continue
-        if title == "aggregation":
-            mode, rest = body.split("\n", 1)
-            lines += ["", f"aggregation: {mode}", textwrap.indent(rest, "  ")]
-        elif title in ("advantage", "per-token term (to minimize)"):
-            lines += ["", title + ":", textwrap.indent(body, "  ")]
-        else:
-            lines += ["", f"{title}: {body}"]
-    return "\n".join(lines)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, dict):  # a nested setting (rollout_correction)
-        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
-    return f"{v:g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
-
-
-def explain_diff(a: "str | Objective", b: "str | Objective") -> str:
-    """Two recipes term by term: the fields that differ, then each part of ``explain`` that differs.
-
-    The parts are the advantage estimator and its normalization, the per-token term (ratio,
-    clipping), the aggregation, the KL placement and estimator, the critic, the entropy bonus,
-    dynamic sampling and what is detached; for each one that differs both equations are printed.
-    """
-    oa, ob = _resolve(a), _resolve(b)
-    na, nb = oa.name, ob.name
-    if na == nb:
-        na, nb = f"{na} (A)", f"{nb} (B)"
-    lines = [f"explain --diff: {na}  vs  {nb}", ""]
-    fa, fb = oa.to_dict(), ob.to_dict()
-    ra, rb = set(oa.read_fields()), set(ob.read_fields())
-    changed = [k for k in fa if k not in ("name", "paper") and fa[k] != fb[k] and (k in ra or k in rb)]
-
-    def val(k, d, read):
-        return _fmt(d[k]) if k in read else "(not read)"
-
-    if changed:
-        lines.append("fields that differ:")
-        w = max(len(k) for k in changed)
-        lines += [f"  {k:<{w}}  {val(k, fa, ra)}  →  {val(k, fb, rb)}" for k in changed]
-    else:
-        lines.append("fields that differ: none (the two recipes optimize the same objective)")
-    sa, sb = sections(oa), sections(ob)
-    keys = list(dict.fromkeys(list(sa) + list(sb)))
-    same = []
-    for k in keys:
-        ta, tb = sa.get(k, "(absent)"), sb.get(k, "(absent)")
-        if ta == tb:
-            same.append(k)
-            continue
-        lines += ["", k + ":", f"  {na}:", textwrap.indent(ta, "    "), f"  {nb}:", textwrap.indent(tb, "    ")]
-    if same:
-        lines += ["", "identical: " + ", ".join(same)]
-    return "\n".join(lines)
-
+# ---------------------------------------------------------------------- explain (its own module)
+from .explain import explain, explain_diff, sections  # noqa: E402
 
 __all__ = [
     "Objective",
