@@ -1,0 +1,254 @@
+"""The operating-system boundary of the Python sandbox: a bubblewrap command line (§22).
+
+`bubblewrap <https://github.com/containers/bubblewrap>`_ (``bwrap``, the Debian package
+``bubblewrap``) starts a process in new Linux namespaces. :func:`plan` decides, in the
+parent, what the child will get; :func:`command` turns that plan into the ``bwrap``
+argument list. Nothing here trusts the child: the plan is the parent's own record of the
+isolation it set up, and it is the only source of the isolation facts the sandbox
+reports.
+
+What the child sees (every mode):
+
+* **Files.** A new, empty root (a tmpfs, then remounted read-only) holding only the
+  Python installation (``sys.prefix``, ``sys.base_prefix``, the exec prefixes and the
+  interpreter's directory), the system's shared-library directories the interpreter
+  links against, the runner script, a minimal ``/dev`` (null, zero, full, random,
+  urandom, tty; read-only) and a private work directory :data:`WORK_DIR` — a tmpfs of
+  at most ``disk_bytes`` bytes in total. Everything but the work directory is
+  read-only. No ``/proc``, ``/sys``, ``/etc``, ``/home``, ``/tmp`` of the host, no
+  project files.
+* **Namespaces.** New mount, PID, network (loopback only, down), IPC, UTS and (where
+  the kernel allows) cgroup namespaces. The child cannot see or signal processes
+  outside; its namespace dies with it (``--die-with-parent``).
+* **Environment.** Empty apart from ``HOME``/``TMPDIR`` (the work directory), ``PATH``
+  and ``LANG``. Nothing of the parent's environment.
+* **Session.** Its own session (``--new-session``): no access to the parent's terminal.
+
+Who the child is, by mode (see :class:`Isolation`):
+
+* ``"nobody"`` — the parent is root and ``drop_privileges=True`` (the default): bwrap
+  runs as root to build the namespaces; the runner then switches to the unprivileged
+  ``nobody`` user before it reads any user code (it holds exactly ``CAP_SETUID`` and
+  ``CAP_SETGID`` until then, none after). ``RLIMIT_NPROC = 0`` then forbids any new
+  process or thread. No user namespace is created: an unprivileged user with no
+  capabilities needs none, and one would give it capabilities inside it.
+* ``"root-in-userns"`` — the parent is root and ``drop_privileges=False``: the child is
+  uid 0 inside a new user namespace, with every capability dropped; outside it is still
+  uid 0, so ``RLIMIT_NPROC`` is not enforced (the kernel exempts root): the number of
+  processes is bounded by the wall time, the seccomp filter (where it is available) and
+  the in-process guards only.
+* ``"user-in-userns"`` — the parent is an ordinary user: the child runs as the same uid
+  inside a new user namespace, no capabilities, ``RLIMIT_NPROC = 0``;
+  ``drop_privileges`` has no effect (there is nothing to drop to). Needs unprivileged
+  user namespaces (``kernel.unprivileged_userns_clone=1`` where that switch exists).
+
+In the user-namespace modes ``--disable-userns`` stops the child from creating further
+user namespaces.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+__all__ = ["Isolation", "WORK_DIR", "RUNNER_PATH", "find_bwrap", "plan", "command", "INSTALL_HINT"]
+
+WORK_DIR = "/sandbox"
+RUNNER_PATH = "/.trajgrad-sandbox/runner.py"
+INSTALL_HINT = (
+    "the Python sandbox needs bubblewrap: install it with `apt-get install -y bubblewrap` "
+    "(Debian/Ubuntu), `dnf install bubblewrap` (Fedora) or your distribution's package, "
+    "or pass bwrap='/path/to/bwrap'"
+)
+NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the parent set up for the child (the parent's record, never the child's word).
+
+    Attributes:
+      mode: ``"nobody"``, ``"root-in-userns"`` or ``"user-in-userns"`` (module docstring).
+      uid, gid: the child's ids as the kernel sees them outside any user namespace.
+      drop_to: ``(uid, gid)`` the runner must switch to before reading the code, or None.
+      user_namespace: whether a new user namespace is created.
+      namespaces: the namespaces unshared.
+      read_only: host paths bound read-only into the child (the Python installation and
+        the shared-library directories).
+      disk_bytes: size of the private work directory (a tmpfs), the total disk quota.
+      process_limit: whether ``RLIMIT_NPROC = 0`` binds the child (not for uid 0).
+    """
+
+    mode: str
+    uid: int
+    gid: int
+    drop_to: Optional[Tuple[int, int]]
+    user_namespace: bool
+    namespaces: Tuple[str, ...]
+    read_only: Tuple[str, ...]
+    disk_bytes: int
+    process_limit: bool
+    symlinks: Tuple[Tuple[str, str], ...] = field(default=(), repr=False)
+
+    def as_dict(self) -> dict:
+        return {
+            "isolation": "bubblewrap",
+            "mode": self.mode,
+            "uid": self.uid,
+            "gid": self.gid,
+            "user_namespace": self.user_namespace,
+            "namespaces": list(self.namespaces),
+            "read_only": list(self.read_only),
+            "work_dir": WORK_DIR,
+            "disk_bytes": self.disk_bytes,
+            "process_limit": self.process_limit,
+            "network_isolated": "net" in self.namespaces,
+            "filesystem_isolated": True,
+            "dropped_privileges": self.drop_to is not None,
+        }
+
+
+def find_bwrap(path: Optional[str] = None) -> str:
+    """The ``bwrap`` executable: ``path`` if given, else the one on ``PATH``.
+
+    Raises:
+      RuntimeError: bubblewrap is not installed (the message says how to install it), or
+        ``path`` is not an executable file.
+    """
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"the Python sandbox needs Linux namespaces; this is {sys.platform}")
+    if path is None:
+        found = shutil.which("bwrap") or next(
+            (p for p in ("/usr/bin/bwrap", "/usr/local/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)), None
+        )
+        if found is None:
+            raise RuntimeError(f"bwrap not found; {INSTALL_HINT}")
+        return found
+    if not (isinstance(path, str) and os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise RuntimeError(f"bwrap: {path!r} is not an executable file; {INSTALL_HINT}")
+    return path
+
+
+def _python_paths() -> List[str]:
+    """Host directories that make up the running Python installation."""
+    paths = []
+    for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
+        if p:
+            paths += [os.path.abspath(p), os.path.realpath(p)]
+    exe = sys.executable
+    if exe:
+        for e in (os.path.abspath(exe), os.path.realpath(exe)):
+            paths.append(os.path.dirname(e))
+    return _outermost(p for p in paths if os.path.isdir(p))
+
+
+def _library_paths() -> Tuple[List[str], List[Tuple[str, str]]]:
+    """Shared-library directories (real paths) and the top-level symlinks to recreate."""
+    symlinks = []
+    for name in ("/lib", "/lib64", "/lib32", "/libx32"):
+        if os.path.islink(name):
+            symlinks.append((os.readlink(name), name))
+    arch = sysconfig.get_config_var("MULTIARCH")
+    candidates = ["/lib64", "/usr/lib64"]
+    if arch:
+        candidates += [f"/lib/{arch}", f"/usr/lib/{arch}"]
+    dirs = [os.path.realpath(c) for c in candidates if os.path.isdir(c)]
+    if not arch or not any(d.endswith(arch) for d in dirs):
+        dirs += [os.path.realpath(c) for c in ("/lib", "/usr/lib") if os.path.isdir(c)]
+    # Binaries under /usr/lib64 may be symlinks into the multiarch directory (Debian).
+    return _outermost(dirs), symlinks
+
+
+def _outermost(paths) -> List[str]:
+    """Unique paths with those inside another one dropped, shortest first."""
+    out: List[str] = []
+    for p in sorted(set(paths), key=lambda q: (q.count(os.sep), q)):
+        if p == os.sep or not any(p == o or p.startswith(o.rstrip(os.sep) + os.sep) for o in out):
+            out.append(p)
+    return out
+
+
+def plan(drop_privileges: bool, disk_bytes: int) -> Isolation:
+    """Decide the isolation for the current parent (root or not) and ``drop_privileges``."""
+    uid, gid = os.geteuid(), os.getegid()
+    python, (libs, symlinks) = _python_paths(), _library_paths()
+    namespaces = ("mount", "pid", "net", "ipc", "uts", "cgroup")
+    read_only = tuple(_outermost(python + libs))
+    if uid == 0 and drop_privileges:
+        nobody = _nobody_ids()
+        return Isolation("nobody", nobody[0], nobody[1], nobody, False, namespaces, read_only,
+                         disk_bytes, True, tuple(symlinks))
+    mode = "root-in-userns" if uid == 0 else "user-in-userns"
+    return Isolation(mode, uid, gid, None, True, ("user",) + namespaces, read_only, disk_bytes,
+                     uid != 0, tuple(symlinks))
+
+
+def _nobody_ids() -> Tuple[int, int]:
+    try:
+        import pwd
+
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except (ImportError, KeyError):
+        return NOBODY, NOBODY
+
+
+def _ancestors(paths) -> List[str]:
+    """Every proper ancestor directory of ``paths`` (not inside any of them), shallowest first."""
+    found = set()
+    for p in paths:
+        parent = os.path.dirname(p)
+        while parent and parent != os.sep:
+            found.add(parent)
+            parent = os.path.dirname(parent)
+    inside = [a for a in found if any(a == p or a.startswith(p.rstrip(os.sep) + os.sep) for p in paths)]
+    return sorted(found - set(inside), key=lambda q: (q.count(os.sep), q))
+
+
+def command(
+    bwrap: str,
+    isolation: Isolation,
+    runner: str,
+    python: str,
+    python_args: List[str],
+    *,
+    seccomp_fd: Optional[int] = None,
+) -> List[str]:
+    """The ``bwrap`` argument list that runs ``python python_args`` under ``isolation``.
+
+    ``runner`` (a host path) is bound read-only at :data:`RUNNER_PATH`; ``seccomp_fd`` (an
+    inherited descriptor holding a compiled BPF program) is loaded before the exec.
+    """
+    argv = [bwrap]
+    if isolation.user_namespace:
+        argv += ["--unshare-user", "--disable-userns", "--uid", str(isolation.uid), "--gid", str(isolation.gid)]
+    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
+    for key, value in (("HOME", WORK_DIR), ("TMPDIR", WORK_DIR), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
+        argv += ["--setenv", key, value]
+    if isolation.drop_to is not None:
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--cap-drop", "ALL"]
+    mounts = list(isolation.read_only) + [os.path.dirname(RUNNER_PATH), WORK_DIR]
+    symlinked = {link for _, link in isolation.symlinks}
+    for directory in _ancestors(mounts):
+        if directory not in symlinked:
+            # World-traversable, whatever the host's mode (e.g. /root is 0700): the
+            # unprivileged child must reach the installation bound below it.
+            argv += ["--perms", "0755", "--dir", directory]
+    for target, link in isolation.symlinks:
+        argv += ["--symlink", target, link]
+    for path in isolation.read_only:
+        argv += ["--ro-bind", path, path]
+    argv += ["--ro-bind", runner, RUNNER_PATH]
+    argv += ["--dev", "/dev"]
+    argv += ["--perms", "0777" if isolation.drop_to is not None else "0755"]
+    argv += ["--size", str(isolation.disk_bytes), "--tmpfs", WORK_DIR, "--chdir", WORK_DIR]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    return argv + ["--", python] + list(python_args)
