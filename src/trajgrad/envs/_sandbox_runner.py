@@ -286,7 +286,11 @@ def _install_guards(send, work_dir):
 
 
 def main():
-    send = _frame_writer(int(sys.argv[1]))
+    result_fd = int(sys.argv[1])
+    # Keep only 0, 1, 2 and the result pipe (bwrap may leave e.g. the seccomp file open).
+    os.closerange(3, result_fd)
+    os.closerange(result_fd + 1, 1 << 16)
+    send = _frame_writer(result_fd)
     request = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     devnull = os.open("/dev/null", os.O_RDONLY)
     os.dup2(devnull, 0)
