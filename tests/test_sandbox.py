@@ -113,6 +113,8 @@ def test_missing_bubblewrap_fails_clearly_instead_of_running_unisolated(tmp_path
     with pytest.raises(RuntimeError, match="apt-get install -y bubblewrap"):
         SandboxedPython(bwrap=str(tmp_path / "no-such-bwrap"))
     assert "bubblewrap" in INSTALL_HINT
+    with pytest.raises(RuntimeError, match="could not start"):
+        SandboxedPython(bwrap=shutil.which("false") or "/bin/false")
 
 
 def test_bad_configuration_raises_value_error():

@@ -7,7 +7,8 @@ standard input. In this order it:
 1. imports a small set of harmless modules that user code may use (math, cmath,
    fractions, decimal, statistics, random, re, json, itertools, functools,
    collections, heapq, bisect, datetime, string, copy, operator);
-2. reads the request, then points standard input at ``/dev/null``;
+2. closes every inherited descriptor but 0, 1, 2 and RESULT_FD, reads the request,
+   then points standard input at ``/dev/null``;
 3. when asked to (the parent is root and ``drop_privileges=True``), switches to the
    unprivileged user; if that does not fully succeed it exits with code 70 without
    running anything;

@@ -177,6 +177,12 @@ def plan(drop_privileges: bool, disk_bytes: int) -> Isolation:
     python, (libs, symlinks) = _python_paths(), _library_paths()
     namespaces = ("mount", "pid", "net", "ipc", "uts", "cgroup")
     read_only = tuple(_outermost(python + libs))
+    for path in read_only:
+        if path == os.sep:
+            raise RuntimeError("the Python installation is at '/': binding it would expose the whole host")
+        for special in (WORK_DIR, os.path.dirname(RUNNER_PATH), "/dev"):
+            if path == special or path.startswith(special + os.sep) or special.startswith(path + os.sep):
+                raise RuntimeError(f"the Python installation path {path!r} collides with the sandbox's {special!r}")
     if uid == 0 and drop_privileges:
         nobody = _nobody_ids()
         return Isolation("nobody", nobody[0], nobody[1], nobody, False, namespaces, read_only,

@@ -67,6 +67,7 @@ _RUNNER = str(Path(__file__).with_name("_sandbox_runner.py"))
 _EXIT_DROP_FAILED = 70  # kept in step with _sandbox_runner.EXIT_DROP_FAILED
 _EXIT_CHANNEL_LOST = 71  # ... and EXIT_CHANNEL_LOST
 _MAX_FRAME_CHARS = 1 << 20
+_STARTED: set = set()  # configurations known to start (see SandboxedPython._check_starts)
 
 
 class SandboxedPython:
@@ -88,7 +89,8 @@ class SandboxedPython:
 
     Raises:
       ValueError: a limit is out of range (the message names it).
-      RuntimeError: bubblewrap is not installed or not executable.
+      RuntimeError: bubblewrap is not installed, not executable, or cannot start the
+        sandbox on this machine (checked once per configuration and process).
 
     Example::
 
@@ -139,9 +141,34 @@ class SandboxedPython:
         # Tests switch this off to check that the OS layers hold on their own.
         self._in_process_guards = True
         self.last_run: dict = {}
+        self._check_starts()
 
     def __call__(self, code: str) -> ToolResult:
         return self.run(code)
+
+    def _check_starts(self) -> None:
+        """Start the sandbox once per configuration and process; raise if it cannot start.
+
+        bubblewrap may be installed yet unable to create namespaces (unprivileged user
+        namespaces disabled, a restrictive security profile); that is a property of the
+        machine, so it fails here, loudly, not as a tool error on every call.
+        """
+        key = (self.bwrap, os.geteuid(), self.drop_privileges, sys.executable, self._seccomp is not None)
+        if key in _STARTED:
+            return
+        saved = self.timeout_s
+        self.timeout_s = max(saved, 30.0)
+        try:
+            result = self.run("pass")
+        finally:
+            self.timeout_s = saved
+        if not self.last_run.get("ready"):
+            raise RuntimeError(
+                f"the Python sandbox could not start with {self.bwrap} ({result.error}); "
+                "check that bubblewrap can create namespaces here (unprivileged user namespaces "
+                "must be enabled for an ordinary user)"
+            )
+        _STARTED.add(key)
 
     @property
     def isolation(self) -> bubblewrap.Isolation:
@@ -281,6 +308,7 @@ class SandboxedPython:
         cap = self.max_output_bytes
         frames = _parse_frames(chan)
         ready = any(f.get("kind") == "ready" for f in frames)
+        self.last_run["ready"] = ready
         violations = [f["message"] for f in frames if f.get("kind") == "violation" and isinstance(f.get("message"), str)]
         results = [f for f in frames if f.get("kind") == "result"]
         self.last_run["violations"] = violations[:20]
