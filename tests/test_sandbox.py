@@ -275,6 +275,30 @@ def test_large_output_is_truncated_to_the_cap(sandbox):
     assert elapsed < 8.0
 
 
+def _orphaned_zombies():
+    """Zombie processes whose parent is the host's init (what a killed sandbox must not leave)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == b"Z" and fields[1] == b"1":
+                found.add(int(entry))
+    return found
+
+
+def test_killed_sandboxes_leave_no_processes_behind():
+    before = _orphaned_zombies()
+    sb = SandboxedPython(timeout_s=0.8, max_output_bytes=100)
+    assert "wall-time" in sb.run("import time\ntime.sleep(30)").error
+    assert "output limit" in sb.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)").error
+    time.sleep(0.2)
+    assert _orphaned_zombies() - before == set()
+
+
 def test_raw_descriptor_flood_is_killed_by_the_parent(sandbox):
     result, elapsed = run_timed(sandbox, "import sys\nos = sys.modules['os']\nos.write(1, b'x' * 10**8)")
     assert result.error == "output limit exceeded (10000 bytes); the process was killed"

@@ -222,11 +222,14 @@ def command(
     python_args: List[str],
     *,
     seccomp_fd: Optional[int] = None,
+    info_fd: Optional[int] = None,
 ) -> List[str]:
     """The ``bwrap`` argument list that runs ``python python_args`` under ``isolation``.
 
     ``runner`` (a host path) is bound read-only at :data:`RUNNER_PATH`; ``seccomp_fd`` (an
-    inherited descriptor holding a compiled BPF program) is loaded before the exec.
+    inherited descriptor holding a compiled BPF program) is loaded before the exec;
+    bubblewrap writes ``{"child-pid": N}`` (the sandbox's first process, seen from the
+    host) to ``info_fd``.
     """
     argv = [bwrap]
     if isolation.user_namespace:
@@ -257,4 +260,6 @@ def command(
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
     return argv + ["--", python] + list(python_args)

@@ -217,6 +217,7 @@ class SandboxedPython:
 
     def _run(self, isolation: bubblewrap.Isolation, request_file, seccomp_fd: Optional[int]) -> ToolResult:
         read_end, write_end = os.pipe()
+        info_read, info_write = os.pipe()
         argv = bubblewrap.command(
             self.bwrap,
             isolation,
@@ -224,8 +225,9 @@ class SandboxedPython:
             sys.executable,
             ["-I", "-B", "-X", "utf8", bubblewrap.RUNNER_PATH, str(write_end)],
             seccomp_fd=seccomp_fd,
+            info_fd=info_write,
         )
-        passed = (write_end,) if seccomp_fd is None else (write_end, seccomp_fd)
+        passed = (write_end, info_write) + (() if seccomp_fd is None else (seccomp_fd,))
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -239,12 +241,14 @@ class SandboxedPython:
                 start_new_session=True,
             )
         except OSError as exc:
-            os.close(read_end)
-            os.close(write_end)
+            for fd in (read_end, write_end, info_read, info_write):
+                os.close(fd)
             return ToolResult("", f"sandbox could not start ({exc})")
         os.close(write_end)
+        os.close(info_write)
         channel = os.fdopen(read_end, "rb", buffering=0)
-        out, err, frames, totals, reason, status = self._communicate(proc, channel, start)
+        info = os.fdopen(info_read, "rb", buffering=0)
+        out, err, frames, totals, reason, status = self._communicate(proc, channel, info, start)
         wall = time.monotonic() - start
         self.last_run = {
             "wall_s": wall,
@@ -256,22 +260,24 @@ class SandboxedPython:
         }
         return self._interpret(status, out, err, frames, totals, reason)
 
-    def _communicate(self, proc: subprocess.Popen, channel, start: float):
-        """Read the three pipes (capped) until EOF or the wall time; kill; reap.
+    def _communicate(self, proc: subprocess.Popen, channel, info, start: float):
+        """Read the pipes (capped) until EOF or the wall time; stop the sandbox; reap it.
 
         Returns (stdout head, stderr head, channel bytes, total stdout+stderr bytes,
         kill reason, wait status).
         """
         reason = None
         keep = self.max_output_bytes + 1
-        streams = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err", channel.fileno(): "chan"}
-        heads = {"out": bytearray(), "err": bytearray(), "chan": bytearray()}
-        sizes = {"out": 0, "err": 0, "chan": 0}
+        streams = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err", channel.fileno(): "chan", info.fileno(): "info"}
+        limits = {"out": keep, "err": keep, "chan": self._pipe_cap, "info": 4096}
+        heads = {name: bytearray() for name in limits}
+        sizes = dict.fromkeys(limits, 0)
         sel = selectors.DefaultSelector()
-        for stream in (proc.stdout, proc.stderr, channel):
+        for stream in (proc.stdout, proc.stderr, channel, info):
             sel.register(stream, selectors.EVENT_READ)
         deadline = start + self.timeout_s
         status = None
+        sandbox_pid = None
         try:
             while sel.get_map() and reason is None:
                 remaining = deadline - time.monotonic()
@@ -283,11 +289,12 @@ class SandboxedPython:
                     name = streams[key.fd]
                     if not data:
                         sel.unregister(key.fileobj)
+                        if name == "info":
+                            sandbox_pid = _open_sandbox_pid(bytes(heads["info"]), proc.pid)
                         continue
                     sizes[name] += len(data)
-                    limit = keep if name != "chan" else self._pipe_cap
-                    if len(heads[name]) < limit:
-                        heads[name] += data[: limit - len(heads[name])]
+                    if len(heads[name]) < limits[name]:
+                        heads[name] += data[: limits[name] - len(heads[name])]
                     if sizes["out"] + sizes["err"] > self._pipe_cap or sizes["chan"] > self._pipe_cap:
                         reason = "flood"
                         break
@@ -295,12 +302,13 @@ class SandboxedPython:
                 reason = "wall"  # all pipes closed, yet the sandbox is still running
         finally:
             sel.close()
-            # Kill the group while its leader is unreaped (its id cannot have been reused);
-            # bwrap's --die-with-parent then takes down the whole PID namespace.
-            _kill_group(proc)
-            _, status = os.waitpid(proc.pid, 0)
+            if sandbox_pid is None and reason is not None and heads["info"]:
+                sandbox_pid = _open_sandbox_pid(bytes(heads["info"]), proc.pid)
+            status = _stop(proc, sandbox_pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
-            for stream in (proc.stdout, proc.stderr, channel):
+            if sandbox_pid is not None:
+                os.close(sandbox_pid)
+            for stream in (proc.stdout, proc.stderr, channel, info):
                 stream.close()
         return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), sizes["out"] + sizes["err"], reason, status
 
@@ -394,6 +402,51 @@ def _exited_unreaped(pid: int, deadline: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.002)
+
+
+def _open_sandbox_pid(info: bytes, bwrap_pid: int) -> Optional[int]:
+    """A pidfd for the sandbox's first process (bwrap's ``child-pid``), if it is still ours.
+
+    The pidfd pins the process: a signal sent through it cannot reach a later process that
+    reused the number. It is kept only if that process's parent is our bwrap.
+    """
+    try:
+        pid = int(json.loads(info.decode("utf-8"))["child-pid"])
+        fd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError, AttributeError):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = None
+    if ppid != bwrap_pid:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _stop(proc: subprocess.Popen, sandbox_pidfd: Optional[int]):
+    """Stop whatever runs and reap bwrap; returns its wait status.
+
+    The sandbox's first process is killed first, which takes its whole PID namespace with
+    it; bwrap then reaps it and exits by itself (killing bwrap first would orphan that
+    process to the host's init). Then the group is killed, in case anything is left.
+    """
+    if sandbox_pidfd is not None:
+        try:
+            signal.pidfd_send_signal(sandbox_pidfd, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            if pid:
+                return status
+            time.sleep(0.002)
+    _kill_group(proc)
+    _, status = os.waitpid(proc.pid, 0)
+    return status
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
