@@ -294,6 +294,14 @@ for fd in range(3, 64):
         pass
 os._exit(0)
 """),
+    Attack("forge-malformed-frames", "forgery", REAL + """
+for fd in range(3, 64):
+    try:
+        os.write(fd, b'[' * 200_000 + b'\\n' + b'{{"kind": "result", "value": 5}}\\n' + b'\\xff\\xfe garbage\\n')
+    except OSError:
+        pass
+raise ValueError('x' * 1_000_000)
+""", check=lambda result, sb, ctx: None if result.error and len(result.error) < 20_000 else "error not bounded"),
     # --- clearing the violation record -----------------------------------------------
     Attack("clear-violations-via-frames", "record", REAL + """
 try:

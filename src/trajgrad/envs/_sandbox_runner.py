@@ -339,7 +339,7 @@ def main():
                     result["value"] = repr(value)[: cap + 1]
                 del value
         except BaseException as exc:  # noqa: BLE001 - everything is reported to the agent
-            result["error"] = _describe(exc, memory_mb)
+            result["error"] = _describe(exc, memory_mb)[: max(cap, 1000) + 1]
     for stream in {id(s): s for s in (out, err, sys.stdout, sys.stderr)}.values():
         try:
             stream.flush()

@@ -354,6 +354,8 @@ class SandboxedPython:
         if violations and (error is None or "sandbox:" not in error):
             first = f"sandbox: {violations[0]}"
             error = first if error is None else f"{first} (then {error})"
+        if error is not None and len(error) > max(cap, 1000):
+            error = error[: max(cap, 1000)] + " [...]"
         if value is not None:
             text = _join(text, value)
         output, truncated = _truncate(text, cap)
@@ -376,7 +378,7 @@ def _parse_frames(data: bytes) -> List[dict]:
             continue
         try:
             frame = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # malformed or nested too deeply: not a frame
             continue
         if isinstance(frame, dict):
             frames.append(frame)
