@@ -644,6 +644,6 @@ def test_attack_is_contained(attack, drop, guards, sandboxes, ctx):
     if guards and not attack.harmless and result.error is None:
         problems.append(f"not reported as a tool error: {result}")
     if os.environ.get("TRAJGRAD_HOSTILE_VERBOSE"):
-        print(f"\n{attack.name} drop={drop} guards={guards}: {result!r:.300}")
+        print(f"\n{attack.name} drop={drop} guards={guards} error={result.error is not None}: {result!r:.300}")
     assert not problems, (attack.name, problems, result, sb.last_run.get("violations"))
     assert elapsed < 8.5
