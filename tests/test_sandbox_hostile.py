@@ -579,14 +579,19 @@ for fn, args in [(os.rename, ({venv_file!r}, 'stolen')), (os.link, ({venv_file!r
     # --- privileges and the installation ----------------------------------------------
     Attack("regain-root", "privileges", REAL + """
 before = (os.getuid(), os.geteuid())
-for fn in (os.setuid, os.setgid, os.seteuid):
+gained = []
+open('mine', 'w').close()
+for name, fn in [('setuid', lambda: os.setuid(0)), ('setgid', lambda: os.setgid(0)),
+                 ('seteuid', lambda: os.seteuid(0)), ('setgroups', lambda: os.setgroups([0])),
+                 ('chown', lambda: os.chown('mine', 0, 0))]:
     try:
-        fn(0)
+        fn()
+        gained.append(name)
     except OSError:
         pass
-if before != (0, 0) and 0 in (os.getuid(), os.geteuid()):
-    print('ESCAPED root')
-print(before)
+if before != (0, 0) and gained:
+    print('ESCAPED', gained)
+print(before, gained)
 """, harmless=True),
     Attack("symlink-out", "write", REAL + """
 os.symlink('/etc/passwd', 'l')

@@ -143,11 +143,13 @@ def _drop_privileges(uid, gid):
         return False
     if (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) != (uid, uid, gid, gid) or os.getgroups():
         return False
-    try:
-        os.setuid(0)
-    except OSError:
-        return True
-    return False
+    for regain in (lambda: os.setuid(0), lambda: os.setgid(0), lambda: os.setgroups([0])):
+        try:
+            regain()
+        except OSError:
+            continue
+        return False  # a capability survived the switch
+    return True
 
 
 def _set_limits(request):
