@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import Callable, Optional
 
 import pytest
 
+from trajgrad.envs import sandbox as sandbox_module
 from trajgrad.envs.sandbox import SandboxedPython
 
 IS_ROOT = os.geteuid() == 0
@@ -652,3 +654,77 @@ def test_attack_is_contained(attack, drop, guards, sandboxes, ctx):
         print(f"\n{attack.name} drop={drop} guards={guards} error={result.error is not None}: {result!r:.300}")
     assert not problems, (attack.name, problems, result, sb.last_run.get("violations"))
     assert elapsed < 8.5
+
+
+# The same attacks, run by an ordinary user (``nobody``) with the system's Python, which
+# has neither torch nor (necessarily) pytest: the package and pytest are stubbed.
+_AS_USER = r"""
+import importlib.util, sys, types
+src, here, guards = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+for name in ("trajgrad", "trajgrad.envs"):
+    m = types.ModuleType(name)
+    m.__path__ = [src + "/" + name.replace(".", "/")]
+    sys.modules[name] = m
+fake = types.ModuleType("pytest")
+fake.fixture = lambda *a, **k: (a[0] if a and callable(a[0]) else (lambda f: f))
+class _Mark:
+    def __getattr__(self, name):
+        return lambda *a, **k: (lambda f: f)
+fake.mark = _Mark()
+sys.modules["pytest"] = fake
+spec = importlib.util.spec_from_file_location("hostile", here)
+H = importlib.util.module_from_spec(spec)
+sys.modules["hostile"] = H
+spec.loader.exec_module(H)
+gen = H.ctx()
+ctx = next(gen)
+sb = H._sandbox(True, guards)
+contained = 0
+for attack in H.ATTACKS:
+    result = sb.run(attack.code.format(**ctx["values"]))
+    if attack.name == "thread-outlives-result":
+        import time
+        time.sleep(0.35)
+    problems = H._general_problems(result, sb, ctx, True)
+    if attack.check is not None and attack.check(result, sb, ctx):
+        problems.append(attack.check(result, sb, ctx))
+    if guards and not attack.harmless and result.error is None:
+        problems.append("not reported as a tool error")
+    if problems:
+        print("PROBLEM", attack.name, problems, result)
+    else:
+        contained += 1
+print("MODE", sb.last_run["mode"])
+print("CONTAINED", contained, len(H.ATTACKS))
+for _ in gen:
+    pass
+"""
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="needs root to become an ordinary user")
+def test_attacks_are_contained_for_an_ordinary_user():
+    """Every attack, OS layers only, with the parent an ordinary user (``nobody``)."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system Python")
+    src = str(Path(sandbox_module.__file__).resolve().parents[2])
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    here = str(Path(__file__).resolve())
+    if subprocess.run(as_nobody + ["test", "-r", here], cwd="/").returncode != 0:
+        pytest.skip("the source tree is not readable by nobody")
+    work = tempfile.mkdtemp(prefix="trajgrad-as-user-")
+    try:
+        os.chmod(work, 0o755)
+        script = os.path.join(work, "attacks.py")
+        Path(script).write_text(_AS_USER)
+        os.chmod(script, 0o644)
+        proc = subprocess.run(
+            as_nobody + [python, "-I", script, src, here, "0"], capture_output=True, text=True, timeout=300, cwd="/"
+        )
+    finally:
+        shutil.rmtree(work)
+    if "No permissions to create new namespace" in proc.stdout + proc.stderr:
+        pytest.skip("unprivileged user namespaces are disabled on this kernel")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MODE user-in-userns" in proc.stdout
+    assert f"CONTAINED {len(ATTACKS)} {len(ATTACKS)}" in proc.stdout, proc.stdout[-3000:]
