@@ -11,8 +11,9 @@ What the child sees (every mode):
 
 * **Files.** A new, empty root (a tmpfs, then remounted read-only) holding only the
   Python installation (``sys.prefix``, ``sys.base_prefix``, the exec prefixes and the
-  interpreter's directory), the system's shared-library directories the interpreter
-  links against, the runner script, a minimal ``/dev`` (null, zero, full, random,
+  interpreter's directory; from a prefix shared with the system such as ``/usr``, only
+  the interpreter and Python's own directories), the system's shared-library
+  directories the interpreter links against, the runner script, a minimal ``/dev`` (null, zero, full, random,
   urandom, tty; read-only) and a private work directory :data:`WORK_DIR` — a tmpfs of
   at most ``disk_bytes`` bytes in total. Everything but the work directory is
   read-only. No ``/proc``, ``/sys``, ``/etc``, ``/home``, ``/tmp`` of the host, no
@@ -132,17 +133,52 @@ def find_bwrap(path: Optional[str] = None) -> str:
     return path
 
 
+# Prefixes shared with the rest of the system: from these only Python's own parts are bound.
+_SHARED_PREFIXES = ("/", "/usr", "/usr/local")
+
+
 def _python_paths() -> List[str]:
-    """Host directories that make up the running Python installation."""
-    paths = []
-    for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
-        if p:
-            paths += [os.path.abspath(p), os.path.realpath(p)]
-    exe = sys.executable
-    if exe:
-        for e in (os.path.abspath(exe), os.path.realpath(exe)):
-            paths.append(os.path.dirname(e))
-    return _outermost(p for p in paths if os.path.isdir(p))
+    """Host paths that make up the running Python installation.
+
+    A prefix of its own (a virtual environment, ``/opt/python3.11``, a pyenv version) is
+    bound whole; from a prefix shared with the system (``/usr`` for a distribution's
+    Python) only the interpreter, the ``sys.path`` entries and the standard-library and
+    site directories inside it.
+    """
+    prefixes = {os.path.abspath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix) if p}
+    prefixes |= {os.path.realpath(p) for p in prefixes}
+    shared = [p for p in prefixes if p in _SHARED_PREFIXES]
+    paths = [p for p in prefixes if p not in _SHARED_PREFIXES]
+    if shared:
+        wanted = [e for e in sys.path if e] + [
+            v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")
+        ]
+        if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+            libdir, library = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+            if libdir and library:
+                wanted.append(os.path.join(libdir, library))
+        for entry in wanted:
+            real = os.path.realpath(entry)
+            if any(real.startswith(p.rstrip(os.sep) + os.sep) for p in shared):
+                paths.append(real)
+    for e in _symlink_chain(sys.executable) if sys.executable else ():
+        inside_shared = any(e.startswith(p.rstrip(os.sep) + os.sep) for p in shared)
+        paths.append(e if inside_shared else os.path.dirname(e))
+    return _outermost(p for p in paths if os.path.exists(p) and p not in _SHARED_PREFIXES)
+
+
+def _symlink_chain(path: str) -> List[str]:
+    """``path`` and every link it goes through to the real file (all absolute)."""
+    chain, seen = [], set()
+    current = os.path.abspath(path)
+    while current not in seen and len(chain) < 40:
+        seen.add(current)
+        chain.append(current)
+        if not os.path.islink(current):
+            break
+        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    real = os.path.realpath(path)
+    return chain if real in chain else chain + [real]
 
 
 def _library_paths() -> Tuple[List[str], List[Tuple[str, str]]]:
