@@ -6,6 +6,7 @@ process healthy and nothing written outside the sandbox.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import operator
 import os
@@ -384,6 +385,7 @@ for name in ("trajgrad", "trajgrad.envs"):
 sb = importlib.import_module("trajgrad.envs.sandbox").SandboxedPython(timeout_s=10.0)
 print(sb.run("6 * 7"))
 print(sb.last_run["mode"], sb.last_run["uid"], sb.last_run["dropped_privileges"], sb.last_run["process_limit"])
+print(sb.last_run["read_only"])
 sb._in_process_guards = False
 print(sb.run("import os\n(os.getuid(), os.path.exists('/etc/passwd'), os.path.exists(%r))" % sys.argv[0]))
 print(sb.run("import os\nos.fork()").error)
@@ -419,15 +421,45 @@ def test_ordinary_user_gets_a_user_namespace():
     assert proc.returncode == 0, proc.stderr
     assert lines[0] == "ToolResult(output='42', error=None)"
     assert lines[1] == "user-in-userns 65534 False True"
-    assert lines[2] == "ToolResult(output='(65534, False, False)', error=None)"
-    assert "Operation not permitted" in lines[3]
-    assert "can't start new thread" in lines[4]
+    read_only = ast.literal_eval(lines[2])
+    assert "/usr" not in read_only and "/" not in read_only  # a system prefix is not bound whole
+    assert os.path.realpath(python) in read_only
+    assert lines[3] == "ToolResult(output='(65534, False, False)', error=None)"
+    assert "Operation not permitted" in lines[4]
+    assert "can't start new thread" in lines[5]
+
+
+def test_bubblewrap_command_line():
+    from trajgrad.envs import bubblewrap
+
+    iso = bubblewrap.plan(True, 1_000_000)
+    argv = bubblewrap.command("/usr/bin/bwrap", iso, "/r.py", "/py", ["-I"], seccomp_fd=5, info_fd=6)
+    joined = " ".join(argv)
+    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
+                 "--new-session", "--clearenv", "--remount-ro /", "--size 1000000 --tmpfs /sandbox",
+                 "--seccomp 5", "--info-fd 6", "--ro-bind /r.py /.trajgrad-sandbox/runner.py"):
+        assert flag in joined, flag
+    bound = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--ro-bind", "--dev-bind")]
+    assert sorted(bound) == sorted(list(iso.read_only) + ["/r.py"])
+    assert "--bind" not in argv and "--dev-bind" not in argv  # nothing writable from the host
+    assert argv[argv.index("--") + 1:] == ["/py", "-I"]
+    assert bubblewrap._symlink_chain("/proc/self/exe")[-1] == os.path.realpath("/proc/self/exe")
+    assert bubblewrap._outermost(["/a/b", "/a", "/c/d", "/c/d/e"]) == ["/a", "/c/d"]
 
 
 def test_arithmetic_helpers_are_still_importable_from_the_sandbox_module():
     assert sandbox_module.safe_eval_arithmetic is arithmetic.safe_eval_arithmetic
     assert sandbox_module.count_operations is arithmetic.count_operations
     assert sandbox_module.format_number is arithmetic.format_number
+
+
+def test_concurrent_runs_from_threads(sandbox):
+    from concurrent.futures import ThreadPoolExecutor
+
+    codes = [f"print({i})\n{i} * {i}" for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(sandbox.run, codes))
+    assert results == [ToolResult(f"{i}\n{i * i}", None) for i in range(6)]
 
 
 def test_parent_is_healthy_after_the_hostile_suite(sandbox):

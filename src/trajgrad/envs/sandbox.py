@@ -184,7 +184,7 @@ class SandboxedPython:
           on success, else one line such as ``"ZeroDivisionError: division by zero
           (line 1)"``, ``"sandbox: network access is not allowed (socket.connect)"``,
           ``"CPU time limit exceeded (1 s); ..."`` or ``"wall-time limit exceeded (2 s); ..."``.
-          ``self.last_run`` keeps details of the last run: wall and CPU time, exit
+          ``self.last_run`` keeps details of the last run: wall time, exit
           status, the isolation the parent set up, the violations the child reported.
         """
         if not isinstance(code_or_expression, str):
@@ -249,16 +249,17 @@ class SandboxedPython:
         channel = os.fdopen(read_end, "rb", buffering=0)
         info = os.fdopen(info_read, "rb", buffering=0)
         out, err, frames, totals, reason, status = self._communicate(proc, channel, info, start)
-        wall = time.monotonic() - start
-        self.last_run = {
-            "wall_s": wall,
+        record = {
+            "wall_s": time.monotonic() - start,
             "returncode": proc.returncode,
             "killed": reason,
             "stderr": err[-2000:].decode("utf-8", "replace"),
             "seccomp": seccomp_fd is not None,
             **isolation.as_dict(),
         }
-        return self._interpret(status, out, err, frames, totals, reason)
+        result = self._interpret(status, out, err, frames, totals, reason, record)
+        self.last_run = record  # one assignment: concurrent runs never mix their records
+        return result
 
     def _communicate(self, proc: subprocess.Popen, channel, info, start: float):
         """Read the pipes (capped) until EOF or the wall time; stop the sandbox; reap it.
@@ -312,14 +313,14 @@ class SandboxedPython:
                 stream.close()
         return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), sizes["out"] + sizes["err"], reason, status
 
-    def _interpret(self, status, out: bytes, err: bytes, chan: bytes, total: int, reason) -> ToolResult:
+    def _interpret(self, status, out: bytes, err: bytes, chan: bytes, total: int, reason, record: dict) -> ToolResult:
         cap = self.max_output_bytes
         frames = _parse_frames(chan)
         ready = any(f.get("kind") == "ready" for f in frames)
-        self.last_run["ready"] = ready
+        record["ready"] = ready
         violations = [f["message"] for f in frames if f.get("kind") == "violation" and isinstance(f.get("message"), str)]
         results = [f for f in frames if f.get("kind") == "result"]
-        self.last_run["violations"] = violations[:20]
+        record["violations"] = violations[:20]
         text = _join(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
         if reason == "wall":
             return ToolResult(_truncate(text, cap)[0], f"wall-time limit exceeded ({self.timeout_s:g} s); the process was killed")
