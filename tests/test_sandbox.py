@@ -93,7 +93,10 @@ def test_files_in_the_work_dir_are_allowed_and_private_to_one_run(sandbox):
 
 def test_disk_quota_is_a_total_not_per_file():
     sb = SandboxedPython(timeout_s=10.0, max_file_bytes=1_000_000, max_disk_bytes=2_000_000)
-    code = "n = 0\ntry:\n    for i in range(50):\n        open(f'f{i}', 'w').write('x' * 500_000)\n        n += 1\nexcept OSError as e:\n    print(e)\nn"
+    code = (
+        "n = 0\ntry:\n    for i in range(50):\n        open(f'f{i}', 'w').write('x' * 500_000)\n"
+        "        n += 1\nexcept OSError as e:\n    print(e)\nn"
+    )
     result = sb.run(code)
     assert "No space left on device" in result.output
     assert int(result.output.split()[-1]) < 4  # 2 MB in total, whatever the number of files

@@ -30,7 +30,8 @@ could have printed. The child's standard output and error are read as plain data
 result frames (the last value, the exception, violations reported against itself, on a
 separate pipe) are parsed as untrusted text. Limits and kills are decided by the parent
 from its own clock, its byte counts and the exit status; the isolation facts in
-:attr:`SandboxedPython.last_run` are the parent's record of the command line it ran (:class:`~trajgrad.envs.bubblewrap.Isolation`).
+:attr:`SandboxedPython.last_run` are the parent's record of the command line it ran
+(:class:`~trajgrad.envs.bubblewrap.Isolation`).
 
 **Results.** :meth:`SandboxedPython.run` never raises for bad or hostile code: every
 violation, limit or crash becomes ``ToolResult(output, error)`` with a message the agent
@@ -269,7 +270,9 @@ class SandboxedPython:
         """
         reason = None
         keep = self.max_output_bytes + 1
-        streams = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err", channel.fileno(): "chan", info.fileno(): "info"}
+        streams = {
+            proc.stdout.fileno(): "out", proc.stderr.fileno(): "err", channel.fileno(): "chan", info.fileno(): "info"
+        }
         limits = {"out": keep, "err": keep, "chan": self._pipe_cap, "info": 4096}
         heads = {name: bytearray() for name in limits}
         sizes = dict.fromkeys(limits, 0)
@@ -311,19 +314,23 @@ class SandboxedPython:
                 os.close(sandbox_pid)
             for stream in (proc.stdout, proc.stderr, channel, info):
                 stream.close()
-        return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), sizes["out"] + sizes["err"], reason, status
+        total = sizes["out"] + sizes["err"]
+        return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), total, reason, status
 
     def _interpret(self, status, out: bytes, err: bytes, chan: bytes, total: int, reason, record: dict) -> ToolResult:
         cap = self.max_output_bytes
         frames = _parse_frames(chan)
         ready = any(f.get("kind") == "ready" for f in frames)
         record["ready"] = ready
-        violations = [f["message"] for f in frames if f.get("kind") == "violation" and isinstance(f.get("message"), str)]
+        violations = [
+            f["message"] for f in frames if f.get("kind") == "violation" and isinstance(f.get("message"), str)
+        ]
         results = [f for f in frames if f.get("kind") == "result"]
         record["violations"] = violations[:20]
         text = _join(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
         if reason == "wall":
-            return ToolResult(_truncate(text, cap)[0], f"wall-time limit exceeded ({self.timeout_s:g} s); the process was killed")
+            message = f"wall-time limit exceeded ({self.timeout_s:g} s); the process was killed"
+            return ToolResult(_truncate(text, cap)[0], message)
         if reason == "flood":
             return ToolResult(_truncate(text, cap)[0], f"output limit exceeded ({cap} bytes); the process was killed")
         code = os.waitstatus_to_exitcode(status)
