@@ -117,8 +117,22 @@ def test_missing_bubblewrap_fails_clearly_instead_of_running_unisolated(tmp_path
     with pytest.raises(RuntimeError, match="apt-get install -y bubblewrap"):
         SandboxedPython(bwrap=str(tmp_path / "no-such-bwrap"))
     assert "bubblewrap" in INSTALL_HINT
-    with pytest.raises(RuntimeError, match="could not start"):
+    with pytest.raises(RuntimeError, match="does not support --size"):
         SandboxedPython(bwrap=shutil.which("false") or "/bin/false")
+    with pytest.raises(RuntimeError, match="could not start"):
+        SandboxedPython(bwrap=str(_fake_bwrap(tmp_path)))
+
+
+def _fake_bwrap(tmp_path):
+    """An executable that advertises bwrap's options but cannot start anything."""
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\nif [ \"$1\" = --help ]; then echo '--size --perms --remount-ro --die-with-parent "
+        "--new-session --clearenv --cap-drop --info-fd'; exit 0; fi\n"
+        "echo 'bwrap: No permissions to create new namespace' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    return fake
 
 
 def test_bad_configuration_raises_value_error():

@@ -48,14 +48,16 @@ user namespaces.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-__all__ = ["Isolation", "WORK_DIR", "RUNNER_PATH", "find_bwrap", "plan", "command", "INSTALL_HINT"]
+__all__ = ["Isolation", "WORK_DIR", "RUNNER_PATH", "find_bwrap", "options", "plan", "command", "INSTALL_HINT"]
 
 WORK_DIR = "/sandbox"
 RUNNER_PATH = "/.trajgrad-sandbox/runner.py"
@@ -131,6 +133,33 @@ def find_bwrap(path: Optional[str] = None) -> str:
     if not (isinstance(path, str) and os.path.isfile(path) and os.access(path, os.X_OK)):
         raise RuntimeError(f"bwrap: {path!r} is not an executable file; {INSTALL_HINT}")
     return path
+
+
+_REQUIRED = ("--size", "--perms", "--remount-ro", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop")
+_OPTIONAL = ("--disable-userns", "--info-fd", "--seccomp", "--unshare-cgroup-try")
+
+
+@functools.lru_cache(maxsize=8)
+def options(bwrap: str) -> frozenset:
+    """The command-line options this ``bwrap`` supports (from its ``--help``).
+
+    Raises:
+      RuntimeError: one the sandbox cannot do without is missing (``--size`` is what
+        makes the work directory a disk quota).
+    """
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"bwrap: {bwrap!r} cannot be run ({exc}); {INSTALL_HINT}") from None
+    found = frozenset(o for o in _REQUIRED + _OPTIONAL if o in text.split())
+    missing = [o for o in _REQUIRED if o not in found]
+    if missing:
+        raise RuntimeError(
+            f"bwrap: {bwrap!r} does not support {', '.join(missing)}, which the sandbox needs; "
+            f"install a newer bubblewrap ({INSTALL_HINT})"
+        )
+    return found
 
 
 # Prefixes shared with the rest of the system: from these only Python's own parts are bound.
@@ -259,18 +288,25 @@ def command(
     *,
     seccomp_fd: Optional[int] = None,
     info_fd: Optional[int] = None,
+    supported: frozenset = frozenset(_OPTIONAL),
 ) -> List[str]:
     """The ``bwrap`` argument list that runs ``python python_args`` under ``isolation``.
 
     ``runner`` (a host path) is bound read-only at :data:`RUNNER_PATH`; ``seccomp_fd`` (an
     inherited descriptor holding a compiled BPF program) is loaded before the exec;
     bubblewrap writes ``{"child-pid": N}`` (the sandbox's first process, seen from the
-    host) to ``info_fd``.
+    host) to ``info_fd``. Optional options not in ``supported`` (see :func:`options`) are
+    left out: ``--disable-userns`` (the seccomp filter refuses new user namespaces too)
+    and ``--unshare-cgroup-try``.
     """
     argv = [bwrap]
     if isolation.user_namespace:
-        argv += ["--unshare-user", "--disable-userns", "--uid", str(isolation.uid), "--gid", str(isolation.gid)]
-    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += ["--unshare-user", "--uid", str(isolation.uid), "--gid", str(isolation.gid)]
+        if "--disable-userns" in supported:
+            argv += ["--disable-userns"]
+    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+    if "--unshare-cgroup-try" in supported:
+        argv += ["--unshare-cgroup-try"]
     argv += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
     for key, value in (("HOME", WORK_DIR), ("TMPDIR", WORK_DIR), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
         argv += ["--setenv", key, value]

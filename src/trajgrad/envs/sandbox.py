@@ -136,7 +136,8 @@ class SandboxedPython:
         self.max_code_chars = max_code_chars
         self.drop_privileges = bool(drop_privileges)
         self.bwrap = bubblewrap.find_bwrap(bwrap)
-        self._seccomp = build_filter() if seccomp else None
+        self._bwrap_options = bubblewrap.options(self.bwrap)
+        self._seccomp = build_filter() if seccomp and "--seccomp" in self._bwrap_options else None
         # Bytes read from the child's pipes before it is killed as a flood.
         self._pipe_cap = 8 * max_output_bytes + (1 << 20)
         # Tests switch this off to check that the OS layers hold on their own.
@@ -226,7 +227,8 @@ class SandboxedPython:
             sys.executable,
             ["-I", "-B", "-X", "utf8", bubblewrap.RUNNER_PATH, str(write_end)],
             seccomp_fd=seccomp_fd,
-            info_fd=info_write,
+            info_fd=info_write if "--info-fd" in self._bwrap_options else None,
+            supported=self._bwrap_options,
         )
         passed = (write_end, info_write) + (() if seccomp_fd is None else (seccomp_fd,))
         start = time.monotonic()
