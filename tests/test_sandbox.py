@@ -1,25 +1,33 @@
-"""Tests for trajgrad.envs.sandbox: the hostile suite and the safe arithmetic evaluator.
+"""Tests for trajgrad.envs.sandbox (normal use, limits, the isolation record) and the safe
+arithmetic evaluator. The attack suite is tests/test_sandbox_hostile.py.
 
 Every hostile program must come back as a ToolResult error, quickly, with the parent
-process healthy and nothing written outside the sandbox's temporary directory.
+process healthy and nothing written outside the sandbox.
 """
 from __future__ import annotations
 
-import glob
+import ast
 import hashlib
 import operator
 import os
 import select
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.envs.sandbox import SandboxedPython, count_operations, format_number, safe_eval_arithmetic
+from trajgrad.envs import arithmetic, sandbox as sandbox_module
+from trajgrad.envs.arithmetic import count_operations, format_number, safe_eval_arithmetic
+from trajgrad.envs.bubblewrap import INSTALL_HINT
+from trajgrad.envs.sandbox import SandboxedPython
+from trajgrad.envs.seccomp import build_filter
 from trajgrad.envs.tools import ToolResult
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -37,8 +45,8 @@ def run_timed(sb, code):
     return result, time.monotonic() - start
 
 
-def sandbox_dirs():
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "trajgrad-sandbox-*")))
+def temp_entries():
+    return set(os.listdir(tempfile.gettempdir()))
 
 
 # --- normal use ---------------------------------------------------------------------------
@@ -75,11 +83,23 @@ def test_output_before_an_error_is_kept(sandbox):
     assert result == ToolResult("partial\n", "ValueError: bad (line 2)")
 
 
-def test_files_inside_the_temp_dir_are_allowed_and_removed(sandbox):
-    before = sandbox_dirs()
+def test_files_in_the_work_dir_are_allowed_and_private_to_one_run(sandbox):
+    before = temp_entries()
     result = sandbox.run("open('notes.txt', 'w').write('abc')\nopen('notes.txt').read()")
     assert result == ToolResult("'abc'", None)
-    assert sandbox_dirs() <= before  # the temporary directory was deleted
+    assert "FileNotFoundError" in sandbox.run("open('notes.txt').read()").error  # a fresh tmpfs each run
+    assert temp_entries() <= before  # nothing left on the host
+
+
+def test_disk_quota_is_a_total_not_per_file():
+    sb = SandboxedPython(timeout_s=10.0, max_file_bytes=1_000_000, max_disk_bytes=2_000_000)
+    code = (
+        "n = 0\ntry:\n    for i in range(50):\n        open(f'f{i}', 'w').write('x' * 500_000)\n"
+        "        n += 1\nexcept OSError as e:\n    print(e)\nn"
+    )
+    result = sb.run(code)
+    assert "No space left on device" in result.output
+    assert int(result.output.split()[-1]) < 4  # 2 MB in total, whatever the number of files
 
 
 def test_file_size_is_limited(sandbox):
@@ -93,6 +113,28 @@ def test_non_text_and_too_long_code_are_refused_without_a_process():
     assert "too long" in sb.run("1 + 1 + 1 + 1").error
 
 
+def test_missing_bubblewrap_fails_clearly_instead_of_running_unisolated(tmp_path):
+    with pytest.raises(RuntimeError, match="apt-get install -y bubblewrap"):
+        SandboxedPython(bwrap=str(tmp_path / "no-such-bwrap"))
+    assert "bubblewrap" in INSTALL_HINT
+    with pytest.raises(RuntimeError, match="does not support --size"):
+        SandboxedPython(bwrap=shutil.which("false") or "/bin/false")
+    with pytest.raises(RuntimeError, match="could not start"):
+        SandboxedPython(bwrap=str(_fake_bwrap(tmp_path)))
+
+
+def _fake_bwrap(tmp_path):
+    """An executable that advertises bwrap's options but cannot start anything."""
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\nif [ \"$1\" = --help ]; then echo '--size --perms --remount-ro --die-with-parent "
+        "--new-session --clearenv --cap-drop --info-fd'; exit 0; fi\n"
+        "echo 'bwrap: No permissions to create new namespace' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    return fake
+
+
 def test_bad_configuration_raises_value_error():
     with pytest.raises(ValueError, match="timeout_s"):
         SandboxedPython(timeout_s=0)
@@ -102,6 +144,10 @@ def test_bad_configuration_raises_value_error():
         SandboxedPython(memory_mb=8)
     with pytest.raises(ValueError, match="max_output_bytes"):
         SandboxedPython(max_output_bytes=0)
+    with pytest.raises(ValueError, match="max_disk_bytes"):
+        SandboxedPython(max_disk_bytes=10)
+    with pytest.raises(ValueError, match="cpu_s"):
+        SandboxedPython(cpu_s=True)
 
 
 # --- the hostile suite ---------------------------------------------------------------------
@@ -234,15 +280,41 @@ def test_import_machinery_is_not_a_way_around(sandbox):
 
 
 def test_large_output_is_truncated_to_the_cap(sandbox):
-    result, elapsed = run_timed(sandbox, "import sys\nsys.stdout.write('x' * 10**8)")
-    assert result.output == "x" * 10_000
-    assert result.error == "output truncated to 10000 bytes"
-    assert elapsed < 8.0
-    result = sandbox.run("for _ in range(100):\n    print('y' * 10**6)")
+    # Within the pipe budget: the output is cut to the cap, the run completes.
+    result = sandbox.run("for _ in range(5):\n    print('y' * 50_000)")
     assert len(result.output.encode()) == 10_000 and set(result.output) == {"y"}
-    assert "truncated" in result.error
+    assert result.error == "output truncated to 10000 bytes"
     result = sandbox.run("'z' * 20_000")
     assert len(result.output) == 10_000 and "truncated" in result.error
+    # Beyond it: the parent kills the sandbox and keeps the first bytes.
+    result, elapsed = run_timed(sandbox, "import sys\nsys.stdout.write('x' * 10**8)")
+    assert result.output == "x" * 10_000
+    assert result.error == "output limit exceeded (10000 bytes); the process was killed"
+    assert elapsed < 8.0
+
+
+def _orphaned_zombies():
+    """Zombie processes whose parent is the host's init (what a killed sandbox must not leave)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == b"Z" and fields[1] == b"1":
+                found.add(int(entry))
+    return found
+
+
+def test_killed_sandboxes_leave_no_processes_behind():
+    before = _orphaned_zombies()
+    sb = SandboxedPython(timeout_s=0.8, max_output_bytes=100)
+    assert "wall-time" in sb.run("import time\ntime.sleep(30)").error
+    assert "output limit" in sb.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)").error
+    time.sleep(0.2)
+    assert _orphaned_zombies() - before == set()
 
 
 def test_raw_descriptor_flood_is_killed_by_the_parent(sandbox):
@@ -263,41 +335,156 @@ def test_guards_hold_without_privilege_drop():
     assert sb.last_run["dropped_privileges"] is False
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="privilege drop and namespaces apply to a root parent only")
+@pytest.mark.skipif(not IS_ROOT, reason="a root parent drops to nobody")
 def test_root_parent_runs_the_child_unprivileged_and_isolated(sandbox):
-    assert sandbox.run("1") == ToolResult("1", None)
+    assert sandbox.run("import sys\nsys.modules['os'].getuid()") == ToolResult("65534", None)
+    assert sandbox.last_run["mode"] == "nobody"
     assert sandbox.last_run["dropped_privileges"] is True
     assert sandbox.last_run["network_isolated"] is True
     assert sandbox.last_run["filesystem_isolated"] is True
+    assert sandbox.last_run["process_limit"] is True
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="privilege drop and namespaces apply to a root parent only")
-def test_os_layers_hold_without_the_in_process_guards():
-    """With the audit hook and import guards off, the OS layers alone still contain the code."""
-    sb = SandboxedPython(timeout_s=10.0)
+def test_isolation_record_is_the_parents_plan(sandbox):
+    sandbox.run("1")
+    plan = sandbox.isolation.as_dict()
+    assert {k: sandbox.last_run[k] for k in plan} == plan
+    assert plan["isolation"] == "bubblewrap" and plan["work_dir"] == "/sandbox"
+    assert {"mount", "pid", "net", "ipc", "uts"} <= set(plan["namespaces"])
+    assert sandbox.last_run["seccomp"] is (build_filter() is not None)
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["drop", "no-drop"])
+def test_os_layers_hold_without_the_in_process_guards(drop):
+    """With the audit hook and import guards off, the OS layers alone contain the code."""
+    sb = SandboxedPython(timeout_s=10.0, drop_privileges=drop)
     sb._in_process_guards = False
     name = f"trajgrad-escape-{uuid.uuid4().hex}"
     outside = os.path.join(tempfile.gettempdir(), name)
-    # RLIMIT_NPROC = 0 for the unprivileged user: no fork, no shell, no thread.
-    assert "BlockingIOError" in sb.run("import os\nos.fork()").error
+    # seccomp (and RLIMIT_NPROC = 0 where it binds): no fork, no shell.
+    assert "PermissionError: [Errno 1] Operation not permitted" in sb.run("import os\nos.fork()").error
     result = sb.run("import os\nos.system('echo x > made.txt')\nos.path.exists('made.txt')")
     assert result == ToolResult("False", None)
-    assert "can't start new thread" in sb.run("import _thread\n_thread.start_new_thread(print, ())").error
-    # Read-only mounts over the world-writable directories; permissions elsewhere.
-    assert "Read-only file system" in sb.run(f"open({outside!r}, 'w')").error
+    if sb.last_run["process_limit"]:
+        assert "can't start new thread" in sb.run("import _thread\n_thread.start_new_thread(print, ())").error
+    # The host's files are not there; the root and the installation are read-only.
+    assert "No such file or directory" in sb.run(f"open({outside!r}, 'w')").error
+    assert "No such file or directory" in sb.run("open('/etc/passwd')").error
     assert "Read-only file system" in sb.run("open('../' + 'escape.txt', 'w')").error
-    assert "Permission denied" in sb.run("open('/etc/passwd', 'a')").error
+    error = sb.run(f"open({os.__file__!r}, 'a')").error
+    assert "Read-only file system" in error or "Permission denied" in error
     assert not os.path.exists(outside)
-    # The temporary directory stays writable.
+    # Nothing of the parent's environment.
+    os.environ["TRAJGRAD_SANDBOX_TEST_SECRET"] = "hunter2"
+    try:
+        result = sb.run("import os\nsorted(os.environ)")
+    finally:
+        del os.environ["TRAJGRAD_SANDBOX_TEST_SECRET"]
+    assert result == ToolResult("['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']", None)
+    # The work directory stays writable.
     assert sb.run("open('ok.txt', 'w').write('fine')") == ToolResult("4", None)
 
 
+def test_seccomp_filter_is_well_formed():
+    prog = build_filter("x86_64")
+    assert prog is not None and len(prog) % 8 == 0 and len(prog) // 8 < 4096
+    assert build_filter("aarch64") is not None
+    assert build_filter("riscv-unknown") is None
+
+
+_AS_USER = r"""
+import importlib, sys, types
+src = sys.argv[1]
+for name in ("trajgrad", "trajgrad.envs"):
+    m = types.ModuleType(name)
+    m.__path__ = [src + "/" + name.replace(".", "/")]
+    sys.modules[name] = m
+sb = importlib.import_module("trajgrad.envs.sandbox").SandboxedPython(timeout_s=10.0)
+print(sb.run("6 * 7"))
+print(sb.last_run["mode"], sb.last_run["uid"], sb.last_run["dropped_privileges"], sb.last_run["process_limit"])
+print(sb.last_run["read_only"])
+sb._in_process_guards = False
+print(sb.run("import os\n(os.getuid(), os.path.exists('/etc/passwd'), os.path.exists(%r))" % sys.argv[0]))
+print(sb.run("import os\nos.fork()").error)
+print(sb.run("import _thread\n_thread.start_new_thread(print, ())").error)
+"""
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="needs root to become an ordinary user")
+def test_ordinary_user_gets_a_user_namespace():
+    """As an ordinary user (here ``nobody``, with the system's Python, which it can read)."""
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system Python")
+    src = str(Path(sandbox_module.__file__).resolve().parents[2])
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run(as_nobody + ["test", "-r", os.path.join(src, "trajgrad/envs/sandbox.py")], cwd="/")
+    if probe.returncode != 0:
+        pytest.skip("the source tree is not readable by nobody")
+    work = tempfile.mkdtemp(prefix="trajgrad-as-user-")
+    try:
+        os.chmod(work, 0o755)
+        script = os.path.join(work, "as_user.py")
+        Path(script).write_text(_AS_USER)
+        os.chmod(script, 0o644)
+        proc = subprocess.run(
+            as_nobody + [python, "-I", script, src], capture_output=True, text=True, timeout=120, cwd="/"
+        )
+    finally:
+        shutil.rmtree(work)
+    if "No permissions to create new namespace" in proc.stdout + proc.stderr:
+        pytest.skip("unprivileged user namespaces are disabled on this kernel")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert lines[0] == "ToolResult(output='42', error=None)"
+    assert lines[1] == "user-in-userns 65534 False True"
+    read_only = ast.literal_eval(lines[2])
+    assert "/usr" not in read_only and "/" not in read_only  # a system prefix is not bound whole
+    assert os.path.realpath(python) in read_only
+    assert lines[3] == "ToolResult(output='(65534, False, False)', error=None)"
+    assert "Operation not permitted" in lines[4]
+    assert "can't start new thread" in lines[5]
+
+
+def test_bubblewrap_command_line():
+    from trajgrad.envs import bubblewrap
+
+    iso = bubblewrap.plan(True, 1_000_000)
+    argv = bubblewrap.command("/usr/bin/bwrap", iso, "/r.py", "/py", ["-I"], seccomp_fd=5, info_fd=6)
+    joined = " ".join(argv)
+    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
+                 "--new-session", "--clearenv", "--remount-ro /", "--size 1000000 --tmpfs /sandbox",
+                 "--seccomp 5", "--info-fd 6", "--ro-bind /r.py /.trajgrad-sandbox/runner.py"):
+        assert flag in joined, flag
+    bound = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--ro-bind", "--dev-bind")]
+    assert sorted(bound) == sorted(list(iso.read_only) + ["/r.py"])
+    assert "--bind" not in argv and "--dev-bind" not in argv  # nothing writable from the host
+    assert argv[argv.index("--") + 1:] == ["/py", "-I"]
+    assert bubblewrap._symlink_chain("/proc/self/exe")[-1] == os.path.realpath("/proc/self/exe")
+    assert bubblewrap._outermost(["/a/b", "/a", "/c/d", "/c/d/e"]) == ["/a", "/c/d"]
+
+
+def test_arithmetic_helpers_are_still_importable_from_the_sandbox_module():
+    assert sandbox_module.safe_eval_arithmetic is arithmetic.safe_eval_arithmetic
+    assert sandbox_module.count_operations is arithmetic.count_operations
+    assert sandbox_module.format_number is arithmetic.format_number
+
+
+def test_concurrent_runs_from_threads(sandbox):
+    from concurrent.futures import ThreadPoolExecutor
+
+    codes = [f"print({i})\n{i} * {i}" for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(sandbox.run, codes))
+    assert results == [ToolResult(f"{i}\n{i * i}", None) for i in range(6)]
+
+
 def test_parent_is_healthy_after_the_hostile_suite(sandbox):
-    before = sandbox_dirs()
+    before = temp_entries()
     result, elapsed = run_timed(sandbox, "sum(range(101))")
     assert result == ToolResult("5050", None)
     assert elapsed < 5.0
-    assert sandbox_dirs() <= before
+    assert temp_entries() <= before
 
 
 def _digest(path):

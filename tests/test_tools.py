@@ -212,3 +212,52 @@ def test_python_tool_goes_through_the_sandbox():
     assert reg.call("python", "sum(range(5))", allowed={"python"}) == ToolResult("10", None)
     result = reg.call("python", "import os", allowed={"python"})
     assert "import of 'os' is not allowed" in result.error
+
+
+def _envs_import_graph():
+    """Module -> set of sibling modules of trajgrad.envs it imports (relative or absolute)."""
+    import ast
+    from pathlib import Path
+
+    import trajgrad.envs as envs
+
+    root = Path(envs.__file__).parent
+    names = {p.stem for p in root.glob("*.py")}
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 1:
+                    target = module.split(".")[0] if module else None
+                    deps |= {target} if target else {a.name for a in node.names}
+                elif module.startswith("trajgrad.envs."):
+                    deps.add(module.split(".")[2])
+        graph[path.stem] = {d for d in deps if d in names and d != path.stem}
+    return graph
+
+
+def test_envs_modules_import_no_circle():
+    graph = _envs_import_graph()
+    assert "tools" not in graph["sandbox"] and "sandbox" in graph["tools"]
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", f"import circle: {' -> '.join(trail + [node])}"
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            visit(dep, trail + [node])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module != "__init__":
+            visit(module, [])
+
+
+def test_tool_result_is_one_type():
+    from trajgrad.envs import tool_result, tools
+
+    assert tools.ToolResult is tool_result.ToolResult

@@ -22,29 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Union
 
+from .sandbox import SandboxedPython
+from .tool_result import ToolResult
+
 __all__ = ["ToolResult", "Tool", "ToolCall", "ToolRegistry", "python_tool"]
-
-
-class ToolResult(NamedTuple):
-    """The outcome of one tool call, as the agent will see it.
-
-    Attributes:
-      output: the text the tool produced (may be empty; may be partial on error).
-      error: ``None`` on success, else a short message meant for the agent.
-    """
-
-    output: str
-    error: Optional[str] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def as_text(self) -> str:
-        """One string for an observation: the output, or ``"error: ..."``."""
-        if self.error is None:
-            return self.output
-        return f"error: {self.error}"
 
 
 ToolFn = Callable[[str], Union[str, ToolResult]]
@@ -194,7 +175,5 @@ class ToolRegistry:
 def python_tool(sandbox=None, name: str = "python") -> Tool:
     """A :class:`Tool` that runs code in a :class:`~trajgrad.envs.sandbox.SandboxedPython`."""
     if sandbox is None:
-        from .sandbox import SandboxedPython
-
         sandbox = SandboxedPython()
     return Tool(name, sandbox.run, "runs Python code in a sandbox and returns its output and last value")
