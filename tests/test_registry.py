@@ -283,3 +283,51 @@ def test_explain_diff_names_every_difference_with_both_equations():
     assert "none (the two recipes optimize the same objective)" in same
     with pytest.raises(ValueError, match="recipe"):
         explain_diff("grpo", "nope")
+
+
+# comparisons whose string is not one of our names although it is spelled like one:
+# baselines' ``scale="batch_std"`` option (the estimator of that name calls it); TRL's own loss_type values
+NOT_OUR_NAMES = {("trajgrad.baselines", "batch_std"), ("trajgrad.peers.trl", "dapo"), ("trajgrad.peers.trl", "cispo")}
+REGISTRY_MODULES = {"trajgrad.registry", "trajgrad.terms", "trajgrad.estimators", "trajgrad.recipes",
+                    "trajgrad.objective", "trajgrad._objective_checks", "trajgrad.explain", "trajgrad.peers._cases"}
+
+
+def _names_compared(tree):
+    """String constants that a comparison (==, !=, in, not in) tests against, with line numbers."""
+    import ast
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            for side in [n.left, *n.comparators]:
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                for c in items:
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        yield n.lineno, c.value
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Dict):  # {"ppo": ...}[o.loss]
+            for k in n.value.keys:
+                if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                    yield n.lineno, k.value
+
+
+def test_no_module_outside_the_registry_compares_a_recipe_loss_or_estimator_name():
+    """Searching src/ for recipe or loss names finds them only in the registry, presets and docs:
+    every other module reads the Objective's declared properties (kind, ratio_source, critic, ...)."""
+    import ast
+    from pathlib import Path
+
+    import trajgrad
+
+    root = Path(trajgrad.__file__).parent
+    # "none" is also every switch's off value (kl_placement, ratio_source), "return" a Python word
+    names = (set(RECIPES) | set(POLICY_TERMS) | set(ADVANTAGE_ESTIMATORS)) - {"none", "return"}
+    offenders, scanned = [], 0
+    for path in sorted(root.rglob("*.py")):
+        module = "trajgrad." + ".".join(path.relative_to(root).with_suffix("").parts)
+        if module in REGISTRY_MODULES:
+            continue
+        scanned += 1
+        for line, value in _names_compared(ast.parse(path.read_text())):
+            if value in names and (module, value) not in NOT_OUR_NAMES:
+                offenders.append(f"{module}:{line} compares {value!r}")
+    assert scanned > 60
+    assert not offenders, offenders

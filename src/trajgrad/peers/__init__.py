@@ -45,7 +45,7 @@ class PeerCase:
     make: Callable[[], Callable]
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "gae" | "kl"
+    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
@@ -85,7 +85,7 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
             report = _compare.policy(fn, recipe, case, seed=seed)
         elif case.kind == "advantage":
             report = _compare.advantage(fn, recipe, seed=seed)
-        elif case.kind == "gae":
+        elif case.kind == "token_advantage":
             report = _compare.gae(fn, recipe, seed=seed)
         else:
             report = _compare.kl(fn, recipe, seed=seed)

@@ -76,7 +76,7 @@ VERL = [
     PeerCase("verl", "kl_penalty('k3+')  [straight-through]", partial(V.kl_penalty, "k3+"), "grpo",
              {"kl_kind": "low_var_kl+"}, kind="kl"),
     PeerCase("verl", "compute_gae_advantage_return + masked_whiten  [verl-ppo advantages]", V.gae_whitened,
-             "ppo", {"whiten_advantages": True, "gamma": 1.0, "lam": 0.95}, kind="gae"),
+             "ppo", {"whiten_advantages": True, "gamma": 1.0, "lam": 0.95}, kind="token_advantage"),
 ]
 
 CASES = {"trl": TRL, "verl": VERL}
