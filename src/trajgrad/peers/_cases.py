@@ -18,6 +18,10 @@ TRL_EPS = {"eps_high": None}  # TRL: epsilon_high defaults to epsilon
 TRL_MAX_LEN = 64              # the adapter's max_completion_length (Dr. GRPO's constant)
 
 TRL = [
+    PeerCase("trl", "GRPOTrainer._compute_loss with GRPOConfig() defaults  [recipe trl-grpo]",
+             partial(T.grpo_loss, "dapo"), "trl-grpo", {}),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dapo', epsilon_high=0.28)  [recipe trl-dapo]",
+             partial(T.grpo_loss, "dapo", epsilon_high=0.28), "trl-dapo", {}),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dapo')  [TRL's default]", partial(T.grpo_loss, "dapo"),
              "dapo", {**TRL_EPS, "dynamic_sampling": False},
              notes=("TRL samples no extra groups: dynamic sampling off",)),
@@ -43,6 +47,14 @@ TRL = [
 ]
 
 VERL = [
+    PeerCase("verl", "compute_policy_loss_vanilla + kl_penalty('low_var_kl') in the loss, defaults  [recipe verl-grpo]",
+             partial(V.policy_loss_with_kl, "low_var_kl", 0.001), "verl-grpo", {}, include_kl=True),
+    PeerCase("verl", "compute_grpo_outcome_advantage, defaults  [recipe verl-grpo]", V.grpo_advantage,
+             "verl-grpo", {}, kind="advantage"),
+    PeerCase("verl", "compute_policy_loss_vanilla, defaults  [recipe verl-ppo]",
+             partial(V.policy_loss, "vanilla", loss_agg_mode="token-mean"), "verl-ppo", {}),
+    PeerCase("verl", "compute_gae_advantage_return + masked_whiten, defaults  [recipe verl-ppo]", V.gae_whitened,
+             "verl-ppo", {"lam": 0.95}, kind="token_advantage"),
     PeerCase("verl", "compute_policy_loss_vanilla(loss_agg_mode='token-mean')  [verl's default]",
              partial(V.policy_loss, "vanilla", loss_agg_mode="token-mean"),
              "dapo", {**TRL_EPS, "dual_clip": 3.0, "dynamic_sampling": False}),

@@ -47,6 +47,22 @@ def policy_loss(loss_mode: str = "vanilla", *, loss_agg_mode: str = "token-mean"
     return loss_fn
 
 
+def policy_loss_with_kl(kl_kind: str, kl_coef: float, *, loss_agg_mode: str = "token-mean") -> Callable:
+    """verl's actor loss with ``use_kl_loss``: ``pg_loss + kl_coef * agg_loss(kl_penalty(logp, ref, kl_kind))``,
+    both aggregated with ``loss_agg_mode`` (the composition in verl's ``dp_actor``), every piece verl's own."""
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.trainer.ppo.core_algos import kl_penalty as verl_kl
+
+    pg = policy_loss("vanilla", loss_agg_mode=loss_agg_mode)
+
+    def loss_fn(logp, old_logp, advantages, mask, ref_logp, denominator=None):
+        kw = {} if denominator is None else {"batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size": denominator}
+        kl = agg_loss(verl_kl(logp, ref_logp, kl_kind), mask.to(logp.dtype), loss_agg_mode, **kw)
+        return pg(logp, old_logp, advantages, mask, denominator=denominator) + kl_coef * kl
+
+    return loss_fn
+
+
 def grpo_advantage(norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6) -> Callable:
     """``adv_fn(rewards [M], group_ids [M]) -> [M]``: verl's ``compute_grpo_outcome_advantage``."""
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
