@@ -58,6 +58,16 @@ recomputed: forward + backward costs the same four matrix products as the naive 
 (student and teacher logits, hidden-state and head gradients), and three
 ``[chunk_size, V]`` buffers for the reverse KL (four for the forward KL and the JSD).
 
+**Chunk size.** Every function takes ``chunk_size="auto"`` by default: the chunk is the
+largest (multiple of 16) number of positions whose ``[chunk, V]`` temporaries fit a memory
+budget, 256 MiB unless changed with :func:`chunk_budget` / :func:`set_chunk_budget` or the
+environment variable ``TRAJGRAD_CHUNK_BUDGET_MIB`` (rule and buffer counts in
+:mod:`trajgrad.fused.chunking`); an int ``chunk_size`` is used as given.
+
+**Modules.** :mod:`~trajgrad.fused.positionwise` (log-probs, entropies),
+:mod:`~trajgrad.fused.divergence` (the divergence kernel), :mod:`~trajgrad.fused.chunking`
+(the chunk rule), :mod:`~trajgrad.fused.checks` (validation shared with the losses).
+
 **Precision.** Statistics are formed in float32 at least (bf16/fp16 inputs are upcast per
 chunk); vocabulary-wide sums use pairwise-style blocked accumulation so that float32 results
 match a float32 naive computation to ~1e-7 relative at ``V ~ 1.5e5``.
@@ -65,8 +75,10 @@ match a float32 naive computation to ~1e-7 relative at ``V ~ 1.5e5``.
 from __future__ import annotations
 
 from .checks import check_finite_fast, check_head, check_sizes
+from .chunking import auto_chunk_size, chunk_budget, get_chunk_budget, set_chunk_budget
 from .divergence import DIVERGENCES, Head, head_entropy, weighted_divergence
 from .positionwise import fused_entropy, fused_token_logprobs
 
 __all__ = ["fused_token_logprobs", "fused_entropy", "weighted_divergence", "head_entropy", "Head", "DIVERGENCES",
-           "check_finite_fast", "check_head", "check_sizes"]
+           "check_finite_fast", "check_head", "check_sizes", "auto_chunk_size", "chunk_budget", "get_chunk_budget",
+           "set_chunk_budget"]

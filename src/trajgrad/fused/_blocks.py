@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics are formed in float32 at least (bf16/fp16 inputs are upcast)."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -27,11 +28,17 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if q < 2:
         return torch.einsum("nv,nv->n", a, b)
     cut = q * _DOT_BLOCK
-    out = torch.einsum("nqk,nqk->nq", a[:, :cut].reshape(n, q, _DOT_BLOCK),
-                       b[:, :cut].reshape(n, q, _DOT_BLOCK)).sum(-1)
+    out = torch.einsum("nqk,nqk->nq", _blocks_view(a, q), _blocks_view(b, q)).sum(-1)
     if cut < V:
         out = out + torch.einsum("nv,nv->n", a[:, cut:], b[:, cut:])
     return out
+
+
+def _blocks_view(a: torch.Tensor, q: int) -> torch.Tensor:
+    """``a[:, :q * 128]`` as ``[n, q, 128]``: a strided view (no copy) when rows are contiguous."""
+    if a.stride(1) == 1:
+        return a.as_strided((a.shape[0], q, _DOT_BLOCK), (a.stride(0), _DOT_BLOCK, 1))
+    return a[:, : q * _DOT_BLOCK].reshape(a.shape[0], q, _DOT_BLOCK)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from .chunking import resolve_chunk_size
 
 def check_finite_fast(name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
     """Same contract as ``_checks.check_finite`` (``mask`` has ``x``'s leading shape), in one pass.
@@ -60,7 +61,7 @@ def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: st
     return hidden, weight, bias
 
 
-def check_sizes(temperature: float, chunk_size: int, vocab_chunk_size: Optional[int] = None) -> None:
+def check_sizes(temperature: float, chunk_size, vocab_chunk_size: Optional[int] = None) -> None:
     try:
         t = float(temperature)
     except (TypeError, ValueError):
@@ -68,8 +69,7 @@ def check_sizes(temperature: float, chunk_size: int, vocab_chunk_size: Optional[
     _checks.check_positive("temperature", t)
     if math.isinf(t):
         raise ValueError(f"temperature: must be finite, got {t}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size: must be a positive int, got {chunk_size!r}")
+    resolve_chunk_size(chunk_size, 1, "logprob", torch.float32)     # "auto" or a positive int
     if vocab_chunk_size is not None and (
             not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool) or vocab_chunk_size < 1):
         raise ValueError(f"vocab_chunk_size: must be None or a positive int, got {vocab_chunk_size!r}")

@@ -5,12 +5,13 @@ The kernel behind :mod:`trajgrad.losses.distill`; see :mod:`trajgrad.fused` for 
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .. import _checks
 from ._blocks import _chunks, _compute_dtype, _exp_shifted, _keep_graph, _mm, _row_dot, _side_logits, _Workspace
+from .chunking import resolve_chunk_size
 
 __all__ = ["Head", "DIVERGENCES", "weighted_divergence", "head_entropy"]
 
@@ -151,10 +152,10 @@ class _DivergenceFn(torch.autograd.Function):
                 if row_scale is not None:
                     scale = scale * row_scale
                 if s_w is None:
-                    gx.index_copy_(0, r, G.mul_(scale[:, None]))
+                    gx.index_add_(0, r, G.mul_(scale[:, None]))   # add: jobs may share rows
                     continue
                 if need_x:
-                    gx.index_copy_(0, r, _mm(G, s_w, cdt).mul_(scale[:, None]))
+                    gx.index_add_(0, r, _mm(G, s_w, cdt).mul_(scale[:, None]))
                 if need_w:
                     gw.addmm_(G.T, xs.to(cdt) * scale[:, None])
                 if need_b:
@@ -199,7 +200,7 @@ def weighted_divergence(
     beta: float = 0.5,
     normalized: bool = True,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
 ) -> Tuple[torch.Tensor, List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
     r"""Chunked :math:`\sum_{(t, R, \omega)}\sum_{n\in R}\omega_n D(\pi_s(\cdot|n)\Vert\pi_t(\cdot|n))`.
 
@@ -217,22 +218,29 @@ def weighted_divergence(
       with :math:`m=\beta\pi_t+(1-\beta)\pi_s`, divided by :math:`\beta(1-\beta)` when
       ``normalized`` (continuous limits at the ends), gradient
       :math:`(1-\beta)\,\pi_s\odot(\log\pi_s-\log m-\mathrm{KL}(\pi_s\Vert m))`
-      (likewise divided);
+      (likewise divided); with ``normalized`` at :math:`\beta=0` / :math:`\beta=1` the
+      limit is computed as ``forward_kl`` / ``reverse_kl`` itself;
 
     and, when the student requires grad and grad mode is on, accumulates the gradient of
     :math:`\omega_n D_n` w.r.t. the student's hidden rows, weight and bias (or logits)
     into one buffer per parameter, which the backward pass scales by the incoming scalar.
+    Jobs may share rows (several teachers at one position): their gradients add up.
+    ``chunk_size="auto"`` sizes the chunk to the memory budget of
+    :mod:`trajgrad.fused.chunking` for ``kind``.
 
     Returns:
       ``(loss, divs, student_entropies, teacher_entropies)``: a scalar attached to the
       student, and per job a detached ``[n]`` tensor of each statistic.
     """
     _checks.check_choice("kind", kind, DIVERGENCES)
+    if kind == "jsd" and normalized and float(beta) in (0.0, 1.0):   # the limits, exactly
+        kind = "forward_kl" if float(beta) == 0.0 else "reverse_kl"
+    chunk = resolve_chunk_size(chunk_size, student.vocab, kind, student.x.dtype)
     grad_on = torch.is_grad_enabled()
     need_x = grad_on and student.x.requires_grad
     need_w = grad_on and student.weight is not None and student.weight.requires_grad
     need_b = grad_on and student.bias is not None and student.bias.requires_grad
-    cfg = (kind, float(beta), bool(normalized), 1.0 / float(temperature), int(chunk_size), need_x, need_w, need_b)
+    cfg = (kind, float(beta), bool(normalized), 1.0 / float(temperature), chunk, need_x, need_w, need_b)
     plain = []
     for teacher, rows, omega in jobs:
         plain.append((Head(teacher.x.detach(),
@@ -244,9 +252,11 @@ def weighted_divergence(
     return loss, list(div.split(sizes)), list(es.split(sizes)), list(et.split(sizes))
 
 
-def head_entropy(side: Head, rows: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+def head_entropy(side: Head, rows: torch.Tensor, *, temperature: float = 1.0,
+                 chunk_size: Union[int, str] = "auto") -> torch.Tensor:
     """Detached entropies ``[n]`` of ``softmax(logits / T)`` at ``rows`` of one head (chunked)."""
     inv_t = 1.0 / float(temperature)
+    chunk_size = resolve_chunk_size(chunk_size, side.vocab, "entropy", side.x.dtype)
     cdt = _compute_dtype(side.x.dtype)
     n_rows = rows.numel()
     out = torch.zeros(n_rows, dtype=cdt, device=side.x.device)

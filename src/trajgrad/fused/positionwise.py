@@ -6,13 +6,14 @@ with an online log-sum-exp, analytic gradients).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .. import _checks
 from ._blocks import _chunks, _compute_dtype, _exp_shifted, _flat_rows, _head_logits, _mm, _row_dot, _Workspace
 from .checks import check_head, check_sizes
+from .chunking import resolve_chunk_size
 
 __all__ = ["fused_token_logprobs", "fused_entropy"]
 
@@ -182,7 +183,7 @@ def fused_token_logprobs(
     *,
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     mask: Optional[torch.Tensor] = None,
     vocab_chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
@@ -215,9 +216,10 @@ def fused_token_logprobs(
         (anything, e.g. ``-100``, at masked ones).
       bias: optional ``[V]`` head bias.
       temperature: :math:`T > 0`; the sampling temperature whose distribution is wanted.
-      chunk_size: positions per chunk (larger amortizes the matrix products, smaller
-        lowers the peak memory, ``chunk_size * V`` floats; at ``V ~ 1.5e5`` on a CPU
-        128-256 keeps the products efficient at ~80-160 MB).
+      chunk_size: positions per chunk, or ``"auto"`` (default): the largest chunk whose
+        ``[chunk, V]`` buffer fits the memory budget of :mod:`trajgrad.fused.chunking`
+        (256 MiB unless overridden: 432 positions at ``V = 151,936``). Larger amortizes
+        the matrix products, smaller lowers the peak memory (``chunk_size * V`` floats).
       mask: optional ``[B, L]``/``[N]`` 0/1 mask; masked positions are skipped (no compute,
         output 0, zero gradient, NaN in their hidden rows never read).
       vocab_chunk_size: optional block size over the vocabulary (online log-sum-exp; see
@@ -242,8 +244,9 @@ def fused_token_logprobs(
         if bool(((yv < 0) | (yv >= V)).any()):
             bad = yv[(yv < 0) | (yv >= V)][0].item()
             raise ValueError(f"targets: values must lie in [0, {V}) at valid positions, found {bad}")
+    chunk = resolve_chunk_size(chunk_size, vchunk, "logprob", h2.dtype)
     out = _PositionwiseFn.apply(h2, weight, bias, y, rows, "logprob", 1.0 / float(temperature),
-                                int(chunk_size), vchunk, _eager_hidden_only(h2, weight, bias))
+                                chunk, vchunk, _eager_hidden_only(h2, weight, bias))
     return out.reshape(targets.shape)
 
 
@@ -253,7 +256,7 @@ def fused_entropy(
     *,
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     mask: Optional[torch.Tensor] = None,
     vocab_chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
@@ -275,7 +278,8 @@ def fused_entropy(
     _checks.check_ndim("hidden", hidden_t, (2, 3))
     h2, weight, bias, mask, rows, vchunk = _prepare_positionwise(
         hidden_t, weight, bias, mask, temperature, chunk_size, vocab_chunk_size)
+    chunk = resolve_chunk_size(chunk_size, vchunk, "entropy", h2.dtype)
     out = _PositionwiseFn.apply(h2, weight, bias, None, rows, "entropy", 1.0 / float(temperature),
-                                int(chunk_size), vchunk, _eager_hidden_only(h2, weight, bias))
+                                chunk, vchunk, _eager_hidden_only(h2, weight, bias))
     return out.reshape(hidden_t.shape[:-1])
 

@@ -45,7 +45,7 @@ the on-policy distillation papers (GKD, Agarwal et al. 2024; MiniLLM, Gu et al. 
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -107,7 +107,7 @@ def reverse_kl_distill_loss(
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator: Optional[Number] = None,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     student_bias: Optional[torch.Tensor] = None,
     teacher_bias: Optional[torch.Tensor] = None,
 ) -> LossResult:
@@ -140,8 +140,11 @@ def reverse_kl_distill_loss(
       temperature: :math:`T>0`, applied to both sides.
       aggregation, constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
         Default ``token_mean`` (§14's ``masked_mean``).
-      chunk_size: positions per chunk; peak extra memory about ``3 * chunk_size * V``
-        floats.
+      chunk_size: positions per chunk, or ``"auto"`` (default): the largest chunk whose
+        ``3 * chunk_size * V`` float temporaries fit the memory budget of
+        :mod:`trajgrad.fused.chunking` (256 MiB unless overridden with
+        :func:`trajgrad.fused.chunk_budget` or ``TRAJGRAD_CHUNK_BUDGET_MIB``; 144 positions
+        at ``V = 151,936``).
 
     Returns:
       ``LossResult(loss, metrics)``; metrics (detached): ``reverse_kl`` (mean per valid
@@ -173,7 +176,7 @@ def forward_kl_distill_loss(
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator: Optional[Number] = None,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     student_bias: Optional[torch.Tensor] = None,
     teacher_bias: Optional[torch.Tensor] = None,
 ) -> LossResult:
@@ -216,7 +219,7 @@ def jsd_distill_loss(
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator: Optional[Number] = None,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     student_bias: Optional[torch.Tensor] = None,
     teacher_bias: Optional[torch.Tensor] = None,
 ) -> LossResult:

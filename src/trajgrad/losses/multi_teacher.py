@@ -95,7 +95,7 @@ def multi_teacher_distill_loss(
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
     denominator: Optional[Number] = None,
-    chunk_size: int = 1024,
+    chunk_size: Union[int, str] = "auto",
     disagreement: bool = True,
 ) -> LossResult:
     r"""Multi-teacher on-policy distillation, exact reverse KL to each teacher (§15).
