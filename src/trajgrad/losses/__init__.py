@@ -42,6 +42,7 @@ from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
 from .sapo import sapo_loss
+from .teacher_router import TeacherRouter
 from .value import value_loss
 
 __all__ = [
@@ -63,4 +64,5 @@ __all__ = [
     "jsd_distill_loss",
     "sampled_token_kl",
     "multi_teacher_distill_loss",
+    "TeacherRouter",
 ]

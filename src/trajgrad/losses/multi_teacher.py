@@ -1,7 +1,7 @@
 r"""Multi-teacher on-policy distillation (§15): exact reverse KL to each teacher, weighted per position."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -41,41 +41,86 @@ def _apply_token_map(i: int, teacher: Head, token_map, student_vocab: int) -> He
     return Head(teacher.x, teacher.weight.index_select(0, token_map), bias)
 
 
+def _routing_weights(routing, weights, M, mask, rows, dtype) -> torch.Tensor:
+    if weights is not None:
+        raise ValueError("routing: cannot be combined with weights (routing already sets a one-hot "
+                         "weight per token); pass one of them")
+    routing = _checks.as_tensor("routing", routing)
+    if routing.is_floating_point() or routing.dtype == torch.bool or routing.is_complex():
+        raise ValueError(f"routing: expected an integer tensor of teacher ids, got dtype {routing.dtype}")
+    _checks.check_shape("routing", routing, mask.shape, against="mask")
+    ids = routing.reshape(-1).to(device=mask.device, dtype=torch.long).index_select(0, rows)
+    if rows.numel() and bool(((ids < 0) | (ids >= M)).any()):
+        raise ValueError(f"routing: teacher ids must lie in [0, {M}) at valid positions")
+    return torch.nn.functional.one_hot(ids, M).to(dtype)
+
+
+def _positional_weights(w: torch.Tensor, M: int, mask, rows, renormalize: bool, dtype, name: str) -> torch.Tensor:
+    """``[M, B, L]`` weights -> ``[n, M]`` at the valid rows (attached), validated and renormalized."""
+    _checks.check_floating(name, w)
+    _checks.check_shape(name, w, (M,) + tuple(mask.shape), against="(number of teachers,) + mask")
+    w = w.reshape(M, -1).index_select(1, rows).T.to(dtype)          # masked slots are never read
+    if _checks.values_checked() and rows.numel():
+        wd = w.detach()
+        if not bool(torch.isfinite(wd).all()):
+            raise ValueError(f"{name}: contains NaN or inf at a valid (mask=1) position")
+        if bool((wd < 0).any()):
+            raise ValueError(f"{name}: must be non-negative at valid positions")
+        if renormalize and not bool((wd.sum(1) > 0).all()):
+            raise ValueError(f"{name}: the weights of the teachers sum to 0 at a valid position; they cannot be "
+                             f"renormalized (pass renormalize=False or positive weights)")
+    return w / w.sum(1, keepdim=True) if renormalize else w
+
+
 def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy_temperature, temperature,
-                     chunk_size, dtype) -> torch.Tensor:
-    """Per-position teacher weights ``[n, M]`` (rows sum to 1)."""
+                     chunk_size, dtype, renormalize, router_input, student_hidden) -> torch.Tensor:
+    """Per-position teacher weights ``[n, M]``; attached only for learned ``[M, B, L]`` weights."""
     M = len(teachers)
     n = rows.numel()
     device = mask.device
     if routing is not None:
-        if weights is not None:
-            raise ValueError("routing: cannot be combined with weights (routing already sets a one-hot "
-                             "weight per token); pass one of them")
-        routing = _checks.as_tensor("routing", routing)
-        if routing.is_floating_point() or routing.dtype == torch.bool or routing.is_complex():
-            raise ValueError(f"routing: expected an integer tensor of teacher ids, got dtype {routing.dtype}")
-        _checks.check_shape("routing", routing, mask.shape, against="mask")
-        ids = routing.reshape(-1).to(device=device, dtype=torch.long).index_select(0, rows)
-        if n and bool(((ids < 0) | (ids >= M)).any()):
-            raise ValueError(f"routing: teacher ids must lie in [0, {M}) at valid positions")
-        return torch.nn.functional.one_hot(ids, M).to(dtype)
+        return _routing_weights(routing, weights, M, mask, rows, dtype)
+    if router_input is not None and not callable(weights):
+        raise ValueError("router_input: only used when weights is a router (a callable such as TeacherRouter)")
     if weights is None:
         return torch.full((n, M), 1.0 / M, dtype=dtype, device=device)
     if isinstance(weights, str):
         if weights != "entropy":
-            raise ValueError(f"weights: must be None, a [M] tensor or 'entropy', got {weights!r}")
+            raise ValueError(f"weights: must be None, 'entropy', a [M] or [M, B, L] tensor or a router, "
+                             f"got {weights!r}")
         _checks.check_positive("entropy_temperature", float(entropy_temperature))
         ent = torch.stack([head_entropy(t, rows, temperature=temperature, chunk_size=chunk_size).to(dtype)
                            for t in teachers], dim=1) if n else torch.zeros(0, M, dtype=dtype, device=device)
         return torch.softmax(-ent / float(entropy_temperature), dim=1)
-    w = _checks.as_tensor("weights", weights).detach()
+    if callable(weights) and not isinstance(weights, torch.Tensor):
+        if router_input is None:
+            if student_hidden is None:
+                raise ValueError("router_input: required when weights is a router and the student is given as "
+                                 "logits (the router reads [B, L, H] features)")
+            router_input = student_hidden.detach()
+        router_input = _checks.as_tensor("router_input", router_input)
+        if router_input.ndim != 3 or tuple(router_input.shape[:2]) != tuple(mask.shape):
+            raise ValueError(f"router_input: expected shape {tuple(mask.shape)} + (H,), got {tuple(router_input.shape)}")
+        # masked rows replaced by selection: NaN there cannot reach the router's gradient
+        router_input = torch.where(mask[..., None], router_input,
+                                   torch.zeros((), dtype=router_input.dtype, device=router_input.device))
+        out = weights(router_input)
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"weights: the router returned {type(out).__name__}, expected a [M, B, L] tensor")
+        return _positional_weights(out, M, mask, rows, renormalize, dtype, "weights (router output)")
+    w = _checks.as_tensor("weights", weights)
+    if w.ndim == 3:
+        return _positional_weights(w, M, mask, rows, renormalize, dtype, "weights")
+    w = w.detach()
     _checks.check_floating("weights", w)
-    _checks.check_shape("weights", w, (M,))
+    if w.shape != (M,):
+        raise ValueError(f"weights: expected shape ({M},) (one fixed weight per teacher) or ({M}, {mask.shape[0]}, "
+                         f"{mask.shape[1]}) (per position), got {tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("weights: must be finite and non-negative")
-    if not bool(w.sum() > 0):
+    if renormalize and not bool(w.sum() > 0):
         raise ValueError("weights: must have a positive sum")
-    w = (w / w.sum()).to(device=device, dtype=dtype)
+    w = (w / w.sum() if renormalize else w).to(device=device, dtype=dtype)
     return w[None, :].expand(n, M)
 
 
@@ -87,8 +132,10 @@ def multi_teacher_distill_loss(
     student_hidden: Optional[torch.Tensor] = None,
     student_weight: Optional[torch.Tensor] = None,
     student_bias: Optional[torch.Tensor] = None,
-    weights: Union[None, str, torch.Tensor, Sequence[float]] = None,
+    weights: Union[None, str, torch.Tensor, Sequence[float], Callable[[torch.Tensor], torch.Tensor]] = None,
     routing: Optional[torch.Tensor] = None,
+    renormalize: bool = True,
+    router_input: Optional[torch.Tensor] = None,
     token_maps: Optional[Sequence[Optional[torch.Tensor]]] = None,
     entropy_temperature: float = 1.0,
     temperature: float = 1.0,
@@ -103,12 +150,18 @@ def multi_teacher_distill_loss(
     .. math::
 
        D_n = \sum_{i=1}^{M} w_i(h_n)\,\mathrm{KL}\big(\pi_\theta(\cdot|h_n)\,\Vert\,\pi_{E_i}(\cdot|h_n)\big),
-       \qquad \sum_i w_i(h_n) = 1,\qquad \mathcal L = \mathrm{aggregate}(D, \text{mask})
+       \qquad \mathcal L = \mathrm{aggregate}(D, \text{mask}) = \sum_n \omega_n D_n
+
+    with :math:`\sum_i w_i(h_n) = 1` unless ``renormalize=False``. The gradient w.r.t. the
+    student logits is the weighted sum of each teacher's reverse-KL gradient,
+    :math:`\partial D_n/\partial z_{n,v} = \sum_i w_i(h_n)\,\pi_\theta(v)[\log\pi_\theta(v)-\log\pi_{E_i}(v)-\mathrm{KL}_i]/T`
+    (every teacher that weighs a position contributes to its gradient).
 
     §15 asks how the weights are chosen; each answer is an argument:
 
     * ``weights=None``: uniform :math:`w_i = 1/M`.
-    * ``weights`` a ``[M]`` tensor (or sequence): fixed, non-negative, renormalized to sum 1.
+    * ``weights`` a ``[M]`` tensor (or sequence): fixed, non-negative, renormalized to sum 1
+      (used as given with ``renormalize=False``); constants (detached).
     * ``weights="entropy"``: confidence weighting per position,
       :math:`w_i(h) = \operatorname{softmax}_i(-\mathcal H(\pi_{E_i}(\cdot|h))/\tau)` with
       :math:`\tau` = ``entropy_temperature``: the lower a teacher's entropy at this prefix,
@@ -119,6 +172,31 @@ def multi_teacher_distill_loss(
     * ``routing``: ``[B, L]`` integer teacher id per token (task routing); the weight is
       one-hot. Each teacher's head is evaluated only at the positions routed to it.
       ``routing`` and ``weights`` are exclusive.
+    * ``weights`` a ``[M, B, L]`` tensor: per-position weights :math:`w_i(h)`, the
+      *learned* option (e.g. the output of a router network). Values at masked positions
+      are never read (NaN allowed); at valid positions they must be finite and
+      non-negative. ``renormalize=True`` (default) divides them by
+      :math:`\sum_j w_j(h)` at each position (which must then be positive), so the loss is
+      a convex combination of the KLs; ``renormalize=False`` uses them as given (e.g.
+      independent sigmoid gates).
+      **Gradient into the weights:** a tensor that requires grad is *attached*: the loss
+      passes :math:`\partial\mathcal L/\partial w_i(h_n) = \omega_n\,\mathrm{KL}_i(h_n)`
+      to it (through the renormalization when on), with the KLs detached; every teacher is
+      then evaluated at every valid position, since a zero weight still has a gradient.
+      Minimizing this loss alone moves the weight onto the teacher currently closest to
+      the student (the smallest KL); to train the weights by another criterion, pass
+      ``weights.detach()`` (the student's gradient is the same either way).
+    * ``weights`` a callable (such as :class:`~trajgrad.losses.teacher_router.TeacherRouter`):
+      the router, called as ``weights(router_input)`` and returning ``[M, B, L]``, then
+      treated as above (attached: its parameters receive the gradient).
+      ``router_input`` defaults to ``student_hidden.detach()``: the router reads the
+      student's features but its gradient never reaches them, so the student is trained by
+      the KL terms only. Pass ``router_input`` explicitly (required with
+      ``student_logits``) to route on other features, attached or not. Features at masked
+      positions are replaced by 0 (by selection) before the router sees them.
+
+    What is detached: all teacher outputs; fixed, entropy and routed weights. Attached: the
+    student, and learned ``[M, B, L]`` weights / router parameters that require grad.
 
     **Vocabularies.** A teacher's vocabulary must equal the student's, or ``token_maps[i]``
     must be given: a LongTensor ``[V_student]`` whose entry ``v`` is the *teacher* token id
@@ -134,7 +212,8 @@ def multi_teacher_distill_loss(
       mask: ``[B, L]`` 0/1 action mask (student-visited positions).
       student_logits or student_hidden + student_weight (+ student_bias): the student, as
         in :func:`reverse_kl_distill_loss`.
-      weights, routing, entropy_temperature: the teacher weights (above).
+      weights, routing, entropy_temperature, renormalize, router_input: the teacher
+        weights (above).
       token_maps: ``None`` or a sequence of ``M`` entries, each ``None`` or ``[V_student]``.
       temperature, aggregation, constant, denominator, chunk_size: as in
         :func:`reverse_kl_distill_loss` (default ``token_mean``).
@@ -144,7 +223,8 @@ def multi_teacher_distill_loss(
     Returns:
       ``LossResult(loss, metrics)``; metrics (detached): ``reverse_kl`` (mean weighted KL
       :math:`D_n` per valid token), ``kl/teacher{i}`` (mean KL to teacher ``i`` over the
-      positions where its weight is positive), ``weight/teacher{i}`` (mean weight),
+      positions where its weight is positive, all valid positions for learned weights),
+      ``weight/teacher{i}`` (mean weight),
       ``teacher_disagreement`` (mean over teacher pairs and valid positions of the
       symmetric JS divergence between the teachers, in nats, ``<= log 2``; 0 for one
       teacher), ``weight_entropy`` (mean :math:`-\sum_i w_i\log w_i`), ``student_entropy``,
@@ -178,16 +258,24 @@ def multi_teacher_distill_loss(
     omega = _token_weights(mask, aggregation, constant, denominator, dtype, student.x.device)
     rows = mask.reshape(-1).nonzero().squeeze(1)
     n = rows.numel()
-    w = _teacher_weights(weights, routing, heads, mask, rows, entropy_temperature, temperature, chunk_size, dtype)
+    w_attached = _teacher_weights(weights, routing, heads, mask, rows, entropy_temperature, temperature, chunk_size,
+                                  dtype, bool(renormalize), router_input, student_hidden)
+    learned = w_attached.requires_grad and torch.is_grad_enabled()
+    w = w_attached.detach()
     om = omega.reshape(-1).index_select(0, rows)
 
     jobs, selections = [], []
+    everywhere = torch.arange(n, device=rows.device)
     for i, head in enumerate(heads):
-        sel = (w[:, i] > 0).nonzero().squeeze(1)
+        sel = everywhere if learned else (w[:, i] > 0).nonzero().squeeze(1)
         selections.append(sel)
         jobs.append((head, rows.index_select(0, sel), om.index_select(0, sel) * w.index_select(0, sel)[:, i]))
     loss, divs, ents_s, _ = weighted_divergence(student, jobs, kind="reverse_kl", temperature=temperature,
                                                 chunk_size=chunk_size)
+    if learned:   # + sum_i sum_n omega_n (w - sg[w]) sg[KL_i]: value unchanged (exactly 0), d/dw = omega KL
+        for i, div in enumerate(divs):
+            dw = w_attached[:, i] - w[:, i]
+            loss = loss + torch.dot(om * dw, div.detach().to(dtype)).to(loss.dtype)
 
     per_pos = torch.zeros(n, dtype=dtype, device=rows.device)
     ent_s = torch.zeros(n, dtype=dtype, device=rows.device)
