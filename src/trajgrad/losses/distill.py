@@ -214,7 +214,7 @@ def jsd_distill_loss(
     teacher_weight: Optional[torch.Tensor] = None,
     mask: torch.Tensor,
     beta: float = 0.5,
-    normalized: bool = True,
+    normalized: Union[bool, str] = True,
     temperature: float = 1.0,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
@@ -250,6 +250,18 @@ def jsd_distill_loss(
       both ends (and is exactly 0 at :math:`\beta\in\{0,1\}`, with zero gradient): it
       vanishes there because the mixture collapses onto the distribution that carries all
       the weight. At :math:`\beta=1/2` it is the symmetric JS divergence, :math:`\le\log 2`.
+    * ``normalized="kl_at_ends"``: :math:`\mathrm{JSD}(\beta)` unnormalized for
+      :math:`0<\beta<1`, and the KL limits at the ends: the forward KL
+      :math:`\mathrm{KL}(\pi_E\Vert\pi_\theta)` at :math:`\beta=0`, the reverse KL
+      :math:`\mathrm{KL}(\pi_\theta\Vert\pi_E)` at :math:`\beta=1` (discontinuous in
+      :math:`\beta` there). This is the convention of TRL's ``generalized_jsd_loss``
+      (GKD trainer), whose mixture is the same :math:`\beta\pi_E+(1-\beta)\pi_\theta`
+      and whose per-token value is :math:`\beta\mathrm{KL}(\pi_E\Vert m)+(1-\beta)\mathrm{KL}(\pi_\theta\Vert m)`:
+      with ``normalized="kl_at_ends"``, the same ``temperature`` (TRL divides both logits by
+      it and applies no :math:`T^2` factor) and ``aggregation="token_mean"`` (TRL's
+      ``reduction="batchmean"`` with labels: the sum over valid tokens divided by their
+      count), one setting reproduces TRL at every :math:`\beta`, :math:`\{0, 0.5, 1\}`
+      included.
 
     Gradient w.r.t. the student logits (unnormalized; divide by :math:`\beta(1-\beta)` for
     the normalized form):
@@ -264,14 +276,20 @@ def jsd_distill_loss(
     aggregated, normalized or not).
 
     Raises:
-      ValueError: ``beta`` outside ``[0, 1]`` (naming ``beta``), and as
-      :func:`reverse_kl_distill_loss`.
+      ValueError: ``beta`` outside ``[0, 1]`` (naming ``beta``), ``normalized`` not one of
+      ``True``, ``False``, ``"kl_at_ends"``, and as :func:`reverse_kl_distill_loss`.
     """
     try:
         beta_f = float(beta)
     except (TypeError, ValueError):
         raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}") from None
     _checks.check_in_range("beta", beta_f, 0.0, 1.0)
+    if isinstance(normalized, str):
+        if normalized != "kl_at_ends":
+            raise ValueError(f"normalized: must be True, False or 'kl_at_ends', got {normalized!r}")
+        normalized = beta_f in (0.0, 1.0)          # the KL limits at the ends, JSD(beta) inside
+    elif not isinstance(normalized, (bool, int)) or normalized not in (0, 1):
+        raise ValueError(f"normalized: must be True, False or 'kl_at_ends', got {normalized!r}")
     return _single_teacher(
         "jsd", beta_f, bool(normalized), "jsd", student_logits=student_logits, teacher_logits=teacher_logits,
         student_hidden=student_hidden, student_weight=student_weight, student_bias=student_bias,
