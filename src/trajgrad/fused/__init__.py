@@ -56,7 +56,8 @@ aggregation), so its gradient is formed in the *forward* chunk loop, while each 
 logits are at hand, and the backward pass only scales it by the incoming scalar. Nothing is
 recomputed: forward + backward costs the same four matrix products as the naive path
 (student and teacher logits, hidden-state and head gradients), and three
-``[chunk_size, V]`` buffers for the reverse KL (four for the forward KL and the JSD).
+``[chunk_size, V]`` buffers for the reverse KL (four for the forward KL, about eight for
+the JSD, whose log-mixture terms need temporaries).
 
 **Chunk size.** Every function takes ``chunk_size="auto"`` by default: the chunk is the
 largest (multiple of 16) number of positions whose ``[chunk, V]`` temporaries fit a memory

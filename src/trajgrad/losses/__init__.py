@@ -23,7 +23,8 @@ explicit ``aggregation=`` (and optional global ``denominator=``), and returns
   ``token_mean``.
 * ``reverse_kl_distill_loss`` (§14, exact over the vocabulary, chunked),
   ``forward_kl_distill_loss``, ``jsd_distill_loss``, ``sampled_token_kl`` (a different
-  objective), ``multi_teacher_distill_loss`` (§15); default ``token_mean``.
+  objective), ``multi_teacher_distill_loss`` (§15; ``TeacherRouter`` for learned
+  per-position weights); default ``token_mean``.
 * ``kl_estimate`` (k1/k2/k3) and ``exact_kl`` (§9, §14); ``LagrangeMultiplier`` (§22).
 """
 from ..types import LossResult

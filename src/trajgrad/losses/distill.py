@@ -31,7 +31,15 @@ where :math:`\omega_n=\partial\,\mathrm{aggregate}/\partial x_n` are the weights
 :func:`trajgrad.aggregate.aggregate` for the chosen ``aggregation`` (obtained from
 ``aggregate`` itself), which is why the gradient can be formed in the forward pass. The
 backward pass then only scales it; it can run once per forward unless
-``retain_graph=True``.
+``retain_graph=True``. ``chunk_size="auto"`` (the default) takes the largest chunk whose
+temporaries fit a memory budget (256 MiB unless overridden;
+:mod:`trajgrad.fused.chunking`), which at ``V = 151,936, L = 2,048`` keeps the net peak
+memory more than 10x below the naive path's (measured in ``bench/results/distill.md``).
+
+**Modules.** Single-teacher losses here; :mod:`~trajgrad.losses.multi_teacher` (§15, with
+:class:`~trajgrad.losses.teacher_router.TeacherRouter` for learned weights),
+:mod:`~trajgrad.losses.sampled_kl` (the sampled-token approximation); all names are
+importable from this module too.
 
 **Detached.** Everything of the teacher (logits, hidden states, head). Gradients flow to
 the student logits, or to the student hidden states, head weight and bias.
