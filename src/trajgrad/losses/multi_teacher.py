@@ -78,10 +78,10 @@ def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy
     M = len(teachers)
     n = rows.numel()
     device = mask.device
+    if router_input is not None and (not callable(weights) or isinstance(weights, torch.Tensor)):
+        raise ValueError("router_input: only used when weights is a router (a callable such as TeacherRouter)")
     if routing is not None:
         return _routing_weights(routing, weights, M, mask, rows, dtype)
-    if router_input is not None and not callable(weights):
-        raise ValueError("router_input: only used when weights is a router (a callable such as TeacherRouter)")
     if weights is None:
         return torch.full((n, M), 1.0 / M, dtype=dtype, device=device)
     if isinstance(weights, str):
