@@ -69,9 +69,9 @@ def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad):
     lse_t = mt + st.log()
     ent_t = lse_t.squeeze(1) - _row_dot(et, zt) / st.squeeze(1)
     pt = None
-    if kind != "reverse_kl":
+    if kind == "jsd":
         pt = et.div_(st)
-    es, ms, ss = _exp_shifted(zs, pbuf if pt is None else qbuf)
+    es, ms, ss = _exp_shifted(zs, pbuf if kind == "reverse_kl" else qbuf)
     lse_s = ms + ss.log()
     ent_s = lse_s.squeeze(1) - _row_dot(es, zs) / ss.squeeze(1)
     e = zs.sub_(zt).sub_(lse_s - lse_t)                 # ls - lt, in zs's buffer
@@ -82,26 +82,26 @@ def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad):
         if need_grad:                                    # ps * ((ls - lt) - KL) = es * (e - KL) / s
             grad, row_scale = e.sub_(div[:, None]).mul_(es), inv_s
         return div, ent_s, ent_t, grad, row_scale
-    ps = es.div_(ss)
-    if kind == "forward_kl":
-        div = -_row_dot(pt, e)                           # sum pt (lt - ls)
-        if need_grad:                                    # ps - pt
-            grad = ps.sub_(pt)
-    else:  # generalized JSD, mixture m = beta * pt + (1 - beta) * ps
-        if normalized:
-            a = _log_mix_over_w(e.neg(), beta)           # (log m - ls) / beta
-            b = _log_mix_over_w(e, 1.0 - beta)           # (log m - lt) / (1 - beta)
-            ka = _row_dot(ps, a)
-            div = -_row_dot(pt, b) - ka                  # KL(pt||m)/(1-beta) + KL(ps||m)/beta
-            if need_grad:                                # ps * (E_ps[a] - a)
-                grad = a.neg_().add_(ka[:, None]).mul_(ps)
-        else:
-            a = _log_mix(e.neg(), beta)                  # log m - ls
-            b = _log_mix(e, 1.0 - beta)                  # log m - lt
-            ka = _row_dot(ps, a)
-            div = -beta * _row_dot(pt, b) - (1.0 - beta) * ka
-            if need_grad:                                # (1 - beta) ps (E_ps[a] - a)
-                grad = a.neg_().add_(ka[:, None]).mul_(ps).mul_(1.0 - beta)
+    if kind == "forward_kl":                             # pt = et / st, ps = es / ss (never formed)
+        div = -_row_dot(et, e) / st.squeeze(1)           # sum pt (lt - ls)
+        if need_grad:                                    # ps - pt = (es - et * ss / st) / ss, one pass
+            grad, row_scale = es.addcmul_(et, -(ss / st)), ss.squeeze(1).reciprocal()
+        return div, ent_s, ent_t, grad, row_scale
+    ps = es.div_(ss)                                 # generalized JSD, mixture m = beta pt + (1 - beta) ps
+    if normalized:
+        a = _log_mix_over_w(e.neg(), beta)           # (log m - ls) / beta
+        b = _log_mix_over_w(e, 1.0 - beta)           # (log m - lt) / (1 - beta)
+        ka = _row_dot(ps, a)
+        div = -_row_dot(pt, b) - ka                  # KL(pt||m)/(1-beta) + KL(ps||m)/beta
+        if need_grad:                                # ps * (E_ps[a] - a)
+            grad = a.neg_().add_(ka[:, None]).mul_(ps)
+    else:
+        a = _log_mix(e.neg(), beta)                  # log m - ls
+        b = _log_mix(e, 1.0 - beta)                  # log m - lt
+        ka = _row_dot(ps, a)
+        div = -beta * _row_dot(pt, b) - (1.0 - beta) * ka
+        if need_grad:                                # (1 - beta) ps (E_ps[a] - a)
+            grad = a.neg_().add_(ka[:, None]).mul_(ps).mul_(1.0 - beta)
     return div, ent_s, ent_t, grad, row_scale
 
 
