@@ -120,15 +120,20 @@ class _DivergenceFn(torch.autograd.Function):
         dev = s_x.device
         need = need_x or need_w or need_b
         gx = torch.zeros(s_x.shape, dtype=cdt, device=dev) if need_x else None
-        gw = torch.zeros(s_w.shape, dtype=cdt, device=dev) if need_w else None
+        gw = None                      # the first chunk assigns it: no zero fill, no read
+        if need_w and not any(int(rows.numel()) for _, rows, _ in jobs):
+            gw = torch.zeros(s_w.shape, dtype=cdt, device=dev)
         gb = torch.zeros(s_b.shape, dtype=cdt, device=dev) if need_b else None
         loss = torch.zeros((), dtype=cdt, device=dev)
         divs, ents_s, ents_t = [], [], []
         V = s_x.shape[1] if s_w is None else s_w.shape[0]
         longest = max([int(rows.numel()) for _, rows, _ in jobs] + [1])
         work = _Workspace(min(chunk, longest) * V, cdt, dev)
-        for teacher, rows, omega in jobs:
+        for j, (teacher, rows, omega) in enumerate(jobs):
             n = rows.numel()
+            # rows are unique within a job: the first job copies, later ones (several teachers at
+            # one position) add
+            put = gx.index_copy_ if (gx is not None and j == 0) else (None if gx is None else gx.index_add_)
             div_all = torch.zeros(n, dtype=cdt, device=dev)
             ent_s_all = torch.zeros(n, dtype=cdt, device=dev)
             ent_t_all = torch.zeros(n, dtype=cdt, device=dev)
@@ -152,12 +157,15 @@ class _DivergenceFn(torch.autograd.Function):
                 if row_scale is not None:
                     scale = scale * row_scale
                 if s_w is None:
-                    gx.index_add_(0, r, G.mul_(scale[:, None]))   # add: jobs may share rows
+                    put(0, r, G.mul_(scale[:, None]))
                     continue
                 if need_x:
-                    gx.index_add_(0, r, _mm(G, s_w, cdt).mul_(scale[:, None]))
+                    put(0, r, _mm(G, s_w, cdt).mul_(scale[:, None]))
                 if need_w:
-                    gw.addmm_(G.T, xs.to(cdt) * scale[:, None])
+                    if gw is None:
+                        gw = G.T @ (xs.to(cdt) * scale[:, None])
+                    else:
+                        gw.addmm_(G.T, xs.to(cdt) * scale[:, None])
                 if need_b:
                     gb.addmv_(G.T, scale)
             divs.append(div_all)
