@@ -1,18 +1,21 @@
-"""Peak memory and time: exact reverse-KL distillation and target log-probs from hidden states,
-fused (chunked, trajgrad.fused) against the naive full-logit PyTorch path.
+"""Peak memory and time: exact reverse/forward-KL distillation and target log-probs from hidden
+states, fused (chunked, trajgrad.fused) against the naive full-logit PyTorch path.
 
 Every (what, V, L, method) configuration runs in its own subprocess, one at a time. The
 subprocess builds its float32 inputs (student and teacher hidden states ``[1, L, H]``,
-heads ``[V, H]``, H = 896), runs a small warm-up, resets the kernel's peak-RSS counter
+heads ``[V, H]``, H = 576 by default, SmolLM2-135M's width), runs a small warm-up, resets the kernel's peak-RSS counter
 (``/proc/self/clear_refs``), records its baseline RSS, runs forward + backward once
 (memory and time), then again ``--repeats - 1`` times (time only; the minimum is reported).
 Net peak = peak RSS - baseline. Results (loss values, token log-probs, gradient samples) are
 compared across methods: values must agree to 1e-5 relative.
 
-Usage (not part of the test suite; the naive V=151936, L=4096 KL case peaks at ~15 GB RSS)::
+The fused side runs with ``--chunk auto`` by default, i.e. the chunk a user who sets
+nothing gets (:mod:`trajgrad.fused.chunking`); the chunk it resolved to is reported.
 
-    python bench/bench_distill.py                      # all configurations, writes bench/results/distill.md
-    python bench/bench_distill.py --vocab 32768 --length 1024 --what kl --out /tmp/x.md
+Usage (not part of the test suite; the naive V=151936, L=2048 KL case peaks at ~8 GB RSS)::
+
+    python bench/bench_distill.py                      # the default configuration, writes bench/results/distill.md
+    python bench/bench_distill.py --vocab 32768 --length 1024 --what kl --chunk 128,auto --out /tmp/x.md
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import time
 
-H = 896
+H = 576
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,7 +65,7 @@ def _inputs(torch, what, V, L, seed=0):
     g = torch.Generator().manual_seed(seed)
     hs = torch.randn(1, L, H, generator=g)
     ws = torch.randn(V, H, generator=g) / H ** 0.5 * 2.0
-    if what == "kl":
+    if what in ("kl", "fkl"):
         ht = torch.randn(1, L, H, generator=g)
         wt = torch.randn(V, H, generator=g) / H ** 0.5 * 2.0
         return hs, ws, ht, wt
@@ -89,6 +92,25 @@ def _fused_kl(torch, hs, ws, ht, wt, mask, chunk):
     return res.loss.detach(), None
 
 
+def _naive_fkl(torch, hs, ws, ht, wt, mask, chunk):
+    with torch.no_grad():
+        lt = torch.log_softmax(ht @ wt.T, -1)
+    ls = torch.log_softmax(hs @ ws.T, -1)
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    loss = kl[mask].mean()
+    loss.backward()
+    return loss.detach(), None
+
+
+def _fused_fkl(torch, hs, ws, ht, wt, mask, chunk):
+    from trajgrad.losses.distill import forward_kl_distill_loss
+
+    res = forward_kl_distill_loss(student_hidden=hs, student_weight=ws, teacher_hidden=ht, teacher_weight=wt,
+                                  mask=mask, chunk_size=chunk)
+    res.loss.backward()
+    return res.loss.detach(), None
+
+
 def _naive_lp(torch, hs, ws, y, mask, chunk):
     lp = torch.log_softmax(hs @ ws.T, -1).gather(-1, y[..., None]).squeeze(-1)
     (lp.sum() / lp.numel()).backward()
@@ -103,7 +125,8 @@ def _fused_lp(torch, hs, ws, y, mask, chunk):
     return lp.detach().sum(), lp.detach()
 
 
-FNS = {("kl", "naive"): _naive_kl, ("kl", "fused"): _fused_kl, ("lp", "naive"): _naive_lp,
+FNS = {("kl", "naive"): _naive_kl, ("kl", "fused"): _fused_kl, ("fkl", "naive"): _naive_fkl,
+       ("fkl", "fused"): _fused_fkl, ("lp", "naive"): _naive_lp,
        ("lp", "fused"): _fused_lp, ("lpf", "naive"): _naive_lp, ("lpf", "fused"): _fused_lp}
 
 
@@ -112,8 +135,17 @@ def _trainable(what):
     return (0,) if what == "lpf" else (0, 1)
 
 
+KINDS = {"kl": "reverse_kl", "fkl": "forward_kl", "lp": "logprob", "lpf": "logprob"}
+
+
+def _chunk_arg(chunk: str):
+    return chunk if chunk == "auto" else int(chunk)
+
+
 def worker(args) -> None:
     import torch
+
+    from trajgrad.fused.chunking import auto_chunk_size, get_chunk_budget
 
     torch.manual_seed(0)
     if args.threads:
@@ -149,8 +181,9 @@ def worker(args) -> None:
         cpus.append(_cpu_s() - c0)
     torch.save({"value": value, "per_token": per_token, "grad_h": grad_h, "grad_w_rows": grad_w_rows},
                args.tensors)
+    resolved = auto_chunk_size(args.vocab, kind=KINDS[args.what]) if args.chunk == "auto" else args.chunk
     print(json.dumps({
-        "time_s": min(times), "times_s": times, "cpu_s": min(cpus), "cpus_s": cpus, "load": load, "peak_kb": peak, "base_rss_kb": base_rss,
+        "chunk": resolved, "budget_mib": get_chunk_budget() / 2 ** 20, "time_s": min(times), "times_s": times, "cpu_s": min(cpus), "cpus_s": cpus, "load": load, "peak_kb": peak, "base_rss_kb": base_rss,
         "base_hwm_kb": base_hwm, "hwm_reset": reset_ok, "value": float(value),
         "threads": torch.get_num_threads(),
     }))
@@ -171,14 +204,14 @@ def _mem_available_gb() -> float:
 
 def _naive_estimate_gb(what: str, V: int, L: int) -> float:  # generous upper bounds
     per = V * L * 4 / 2 ** 30
-    return (6 if what == "kl" else 4) * per + 2 * V * H * 4 / 2 ** 30
+    return (6 if what in ("kl", "fkl") else 4) * per + 2 * V * H * 4 / 2 ** 30
 
 
 def _run_one(what, method, V, L, chunk, repeats, threads, tmpdir):
     tensors = os.path.join(tmpdir, f"{what}_{method}_{V}_{L}.pt")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--what", what, "--method", method,
            "--vocab", str(V), "--length", str(L), "--chunk", str(chunk), "--repeats", str(repeats),
-           "--tensors", tensors]
+           "--tensors", tensors, "--hidden", str(H)]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -206,19 +239,24 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tensors", help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=["naive", "fused"], help=argparse.SUPPRESS)
-    ap.add_argument("--what", default="kl,lp,lpf",
-                    help="comma list of: kl (reverse KL), lp (token log-probs), lpf (log-probs, frozen head)")
-    ap.add_argument("--vocab", default="32768,151936", help="comma list of vocabulary sizes")
-    ap.add_argument("--length", default="1024,4096", help="comma list of sequence lengths")
-    ap.add_argument("--chunk", default="256", help="fused chunk_size (positions); a comma list runs each")
+    ap.add_argument("--what", default="kl,fkl,lp,lpf",
+                    help="comma list of: kl (reverse KL), fkl (forward KL), lp (token log-probs), "
+                         "lpf (log-probs, frozen head)")
+    ap.add_argument("--vocab", default="151936", help="comma list of vocabulary sizes")
+    ap.add_argument("--length", default="2048", help="comma list of sequence lengths")
+    ap.add_argument("--hidden", type=int, default=576, help="hidden size H")
+    ap.add_argument("--chunk", default="auto",
+                    help="fused chunk_size: 'auto' (the default of the library) or positions; a comma list runs each")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (min reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--reserve-gb", type=float, default=3.0,
                     help="skip a naive run unless MemAvailable exceeds its estimate by this much")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distill.md"))
     args = ap.parse_args()
+    global H
+    H = args.hidden
     if args.worker:
-        args.vocab, args.length, args.chunk = int(args.vocab), int(args.length), int(args.chunk)
+        args.vocab, args.length, args.chunk = int(args.vocab), int(args.length), _chunk_arg(args.chunk)
         worker(args)
         return
 
@@ -228,7 +266,9 @@ def main() -> None:
     whats = [w for w in args.what.split(",") if w]
     vocabs = [int(v) for v in args.vocab.split(",")]
     lengths = [int(v) for v in args.length.split(",")]
-    chunks = [int(c) for c in args.chunk.split(",")]
+    chunks = [c.strip() for c in args.chunk.split(",") if c.strip()]
+    for c in chunks:
+        _chunk_arg(c)
     plan = [(w, V, L) for w in whats for V in vocabs for L in lengths]
     rows = []
     started = datetime.datetime.now()
@@ -284,12 +324,21 @@ def _write(args, rows, started, load_before, load_after) -> None:
         "- naive KL: `lt = log_softmax(ht @ Wt.T)` (no grad), `ls = log_softmax(hs @ Ws.T)`, "
         "`((ls.exp() * (ls - lt)).sum(-1)).mean()`; fused KL: `reverse_kl_distill_loss(student_hidden=..., "
         "teacher_hidden=...)`",
+        "- naive forward KL: the same with `((lt.exp() * (lt - ls)).sum(-1)).mean()`; fused: "
+        "`forward_kl_distill_loss(...)`",
         "- naive log-probs: `log_softmax(hs @ W.T).gather(-1, y)`; fused: `fused_token_logprobs`",
+        "- chunk: `auto` is the library default (`chunk_size=\"auto\"`, budget "
+        f"{rows[0]['fused'].get('budget_mib', float('nan')) if rows else float('nan'):.0f} MiB of [chunk, V] "
+        "temporaries, trajgrad.fused.chunking); the chunk it resolved to is in parentheses",
+        "- net memory ratio w/o head grad: both net peaks minus the [V, H] float32 head-weight gradient "
+        f"({_gb(4 * H * (rows[0]['V'] if rows else 0) / 1024):.2f} GB here), which both paths must allocate; it bounds "
+        "the plain ratio when the head is trainable",
         "- agree: relative difference of the loss / per-token log-probs (must be <= 1e-5), and of the "
         "hidden-state and head-weight gradients (max-abs difference over max-abs value)",
         "",
     ]
-    for what, title in (("kl", "Reverse KL, student + teacher heads"), ("lp", "Target log-probs"),
+    for what, title in (("kl", "Reverse KL, student + teacher heads"),
+                        ("fkl", "Forward KL, student + teacher heads"), ("lp", "Target log-probs"),
                         ("lpf", "Target log-probs, frozen head (gradient w.r.t. hidden states only)")):
         sel = [r for r in rows if r["what"] == what]
         if not sel:
@@ -297,9 +346,9 @@ def _write(args, rows, started, load_before, load_after) -> None:
         lines += [f"## {title}", "",
                   "| V | L | chunk | naive wall s | fused wall s | wall ratio | naive CPU s | fused CPU s | CPU ratio | "
                   "load 1m (naive / fused) | naive peak GB raw / net | fused peak GB raw / net | net memory ratio | "
-                  "value rel diff | grad rel diff (h / W) |",
+                  "net memory ratio w/o head grad | value rel diff | grad rel diff (h / W) |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: |"]
+                  "| ---: | ---: |"]
         for r in sel:
             n, f, c = r["naive"], r["fused"], r["cmp"]
 
@@ -316,17 +365,22 @@ def _write(args, rows, started, load_before, load_after) -> None:
             cpu_f = f"{f['cpu_s']:.1f}" if "cpu_s" in f else "-"
             ratio_c = f"{f['cpu_s'] / n['cpu_s']:.2f}x" if "cpu_s" in n and "cpu_s" in f else "-"
             load = f"{n.get('load', float('nan')):.1f} / {f.get('load', float('nan')):.1f}"
-            ratio_m = "-"
+            ratio_m = ratio_g = "-"
             if "peak_kb" in n and "peak_kb" in f:
-                ratio_m = f"{(n['peak_kb'] - n['base_rss_kb']) / max(1, f['peak_kb'] - f['base_rss_kb']):.1f}x lower"
+                net_n, net_f = n["peak_kb"] - n["base_rss_kb"], f["peak_kb"] - f["base_rss_kb"]
+                ratio_m = f"{net_n / max(1, net_f):.1f}x lower"
+                if what != "lpf":
+                    g_kb = 4 * H * r["V"] / 1024
+                    ratio_g = f"{(net_n - g_kb) / (net_f - g_kb):.1f}x lower" if net_f - g_kb > 1024 else "-"
             val = "-"
             if c:
-                v = c.get("per_token_rel", c["value_rel"]) if what != "kl" else c["value_rel"]
+                v = c.get("per_token_rel", c["value_rel"]) if what not in ("kl", "fkl") else c["value_rel"]
                 val = f"{v:.1e} {'ok' if v <= 1e-5 else 'FAIL'}"
             grad = f"{c['grad_h_rel']:.1e} / {c['grad_w_rel']:.1e}" if c else "-"
-            lines.append(f"| {r['V']} | {r['L']} | {r['chunk']} | {cell_time(n)} | {cell_time(f)} | {ratio_t} | "
+            chunk = f"auto ({f.get('chunk', '?')})" if r["chunk"] == "auto" else r["chunk"]
+            lines.append(f"| {r['V']} | {r['L']} | {chunk} | {cell_time(n)} | {cell_time(f)} | {ratio_t} | "
                          f"{cpu_n} | {cpu_f} | {ratio_c} | {load} | "
-                         f"{cell_mem(n)} | {cell_mem(f)} | {ratio_m} | {val} | {grad} |")
+                         f"{cell_mem(n)} | {cell_mem(f)} | {ratio_m} | {ratio_g} | {val} | {grad} |")
         lines.append("")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -31,7 +31,8 @@ explicit ``aggregation=`` (and optional global ``denominator=``), and returns
   ``token_mean``.
 * ``reverse_kl_distill_loss`` (§14, exact over the vocabulary, chunked),
   ``forward_kl_distill_loss``, ``jsd_distill_loss``, ``sampled_token_kl`` (a different
-  objective), ``multi_teacher_distill_loss`` (§15); default ``token_mean``.
+  objective), ``multi_teacher_distill_loss`` (§15; ``TeacherRouter`` for learned
+  per-position weights); default ``token_mean``.
 * ``kl_estimate`` (k1/k2/k3) and ``exact_kl`` (§9, §14); ``LagrangeMultiplier`` (§22).
 """
 from ..types import LossResult
@@ -54,6 +55,7 @@ from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
 from .sapo import sapo_loss
+from .teacher_router import TeacherRouter
 from .value import value_loss
 
 __all__ = [
@@ -81,4 +83,5 @@ __all__ = [
     "jsd_distill_loss",
     "sampled_token_kl",
     "multi_teacher_distill_loss",
+    "TeacherRouter",
 ]
