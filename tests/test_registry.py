@@ -331,3 +331,38 @@ def test_no_module_outside_the_registry_compares_a_recipe_loss_or_estimator_name
                 offenders.append(f"{module}:{line} compares {value!r}")
     assert scanned > 60
     assert not offenders, offenders
+
+
+def test_distillation_recipes_print_what_they_optimize():
+    """The JSD term's β and convention change the loss and the explain text; gkd at β = 0 and 1
+    is the forward and the reverse KL (TRL's generalized_jsd_loss convention)."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 4, 6, generator=g, dtype=F64)
+    t = torch.randn(2, 4, 6, generator=g, dtype=F64)
+    m = torch.ones(2, 4, dtype=torch.bool)
+    m[1, 2:] = False
+
+    def run(o):
+        x = s.clone().requires_grad_(True)
+        loss = o.distill_loss(student_logits=x, teacher_logits=t, mask=m).loss
+        (gx,) = torch.autograd.grad(loss, x)
+        return loss.detach(), gx
+
+    base = RECIPES["gkd"]
+    for field, value in (("jsd_beta", 0.2), ("jsd_normalized", "normalized")):
+        o = base.replace(**{field: value})
+        assert explain(o) != explain(base)
+        assert not torch.equal(run(o)[0], run(base)[0])
+    for beta, ref in ((0.0, losses.forward_kl_distill_loss), (1.0, losses.reverse_kl_distill_loss)):
+        o = base.replace(jsd_beta=beta)
+        x = s.clone().requires_grad_(True)
+        want = ref(student_logits=x, teacher_logits=t, mask=m).loss
+        (gw,) = torch.autograd.grad(want, x)
+        got, gg = run(o)
+        assert torch.allclose(got, want.detach(), atol=1e-12) and torch.allclose(gg, gw, atol=1e-12)
+    from trajgrad.verify import verify
+
+    own = lambda student_logits, teacher_logits, mask: base.distill_loss(  # noqa: E731
+        student_logits=student_logits, teacher_logits=teacher_logits, mask=mask)
+    assert verify(own, "gkd").passed
+    assert not verify(own, "opd").passed

@@ -100,3 +100,6 @@ def validate(o) -> None:
     for check in (term.validate, est.validate):
         if check is not None:
             check(o)
+    _finite_positive("jsd_beta", o.jsd_beta, allow_zero=True)
+    _checks.check_in_range("jsd_beta", o.jsd_beta, 0.0, 1.0)
+    _checks.check_choice("jsd_normalized", o.jsd_normalized, ("kl_at_ends", "normalized", "unnormalized"))

@@ -103,6 +103,10 @@ class Objective:
       entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
         where ``H`` is the exact entropy of the full sampling distribution (0 = off).
       paper: the reference the defaults come from.
+      jsd_beta, jsd_normalized: the generalized JSD(β) distillation term (``generalized_jsd``; §14): the
+        teacher's weight in the mixture, and how the ends are read — ``"kl_at_ends"`` (TRL's
+        ``generalized_jsd_loss``: JSD(β) for 0 < β < 1, forward KL at β = 0, reverse KL at 1),
+        ``"normalized"`` (JSD(β)/(β(1−β)), continuous on [0, 1]) or ``"unnormalized"``.
       std_unbiased: the group (and batch) std of the std-scaling estimators divides by G − 1
         (Bessel; verl's and TRL's GRPO) instead of G (default, the population std): at G = 8
         the advantages are 6.5% smaller (``trajgrad.baselines.group_advantages``).
@@ -161,6 +165,8 @@ class Objective:
     value_clip: Optional[float] = None
     entropy_coef: float = 0.0
     paper: str = ""
+    jsd_beta: float = 0.5
+    jsd_normalized: str = "kl_at_ends"
     std_unbiased: bool = False
     whiten_advantages: bool = False
     kl_bias_correction: bool = False
@@ -421,10 +427,15 @@ class Objective:
                             rejected_length=rejected_length, denominator=denominator)
 
     def distill_loss(self, *, mask, denominator=None, **inputs) -> LossResult:
+        """The distillation term on the student's and teacher's logits or hidden states (§14).
+
+        A term with a ``call`` receives ``call(objective, inputs)`` (its own fields, e.g. JSD's β,
+        are passed there); otherwise the core function is called with the recipe's aggregation.
+        """
         if self.kind != "distill":
             raise ValueError(f"loss: recipe {self.name!r} is not a distillation recipe")
-        return self.term.fn(mask=mask, aggregation=self.aggregation, constant=self.constant, denominator=denominator,
-                            **inputs)
+        kw = dict(inputs, mask=mask, aggregation=self.aggregation, constant=self.constant, denominator=denominator)
+        return self.term.call(self, kw) if self.term.call is not None else self.term.fn(**kw)
 
 
 # ---------------------------------------------------------------------- the registry's entries and recipes

@@ -53,6 +53,10 @@ RECIPES: Dict[str, Objective] = {
         ratio_gradient="detached", gamma=1.0, lam=1.0, critic=True, critic_updates=2, group_size=1,
         paper="Hou et al. 2026 (SAO), spec §20; eps (0.3, 5.0) = the paper's reasoning setting",
     ),
+    "gkd": Objective(
+        name="gkd", loss="generalized_jsd", advantage="none", aggregation="token_mean", jsd_beta=0.5,
+        paper="Agarwal et al. 2024 (GKD): on-policy generalized JSD(β), spec §14; TRL's GKDTrainer convention",
+    ),
     "opd": Objective(
         name="opd", loss="opd", advantage="none", aggregation="token_mean",
         paper="on-policy distillation with the exact reverse KL, spec §14",

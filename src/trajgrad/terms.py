@@ -129,6 +129,27 @@ register_policy_term(PolicyTerm(
 ))
 
 
+# ---------------------------------------------------------------------- generalized JSD(β) distillation (§14)
+_JSD_NORMALIZED = {"kl_at_ends": "kl_at_ends", "normalized": True, "unnormalized": False}
+
+
+def _jsd_text(o) -> str:
+    b = o.jsd_beta
+    ends = {"kl_at_ends": "JSD(β) itself; at β = 0 the forward KL KL(π_E‖π_θ), at β = 1 the reverse KL (TRL's convention)",
+            "normalized": "JSD(β) / (β(1 − β)): continuous on [0, 1], forward KL at 0, reverse KL at 1",
+            "unnormalized": "JSD(β) itself (0 at β ∈ {0, 1})"}[o.jsd_normalized]
+    return (f"m = {b:g} · sg[π_E] + {1 - b:g} · π_θ   (the teacher's weight β = {b:g})\n"
+            f"x_t = {b:g} · KL(sg[π_E] ‖ m) + {1 - b:g} · KL(π_θ ‖ m)   exact over the vocabulary (§14)\n"
+            f"    {ends}")
+
+
+register_policy_term(PolicyTerm(
+    name="generalized_jsd", fn=losses.jsd_distill_loss, fields=("jsd_beta", "jsd_normalized"), ratio="none",
+    detached=("teacher distribution",), aggregation="token_mean", kind="distill", text=_jsd_text,
+    call=lambda o, x: losses.jsd_distill_loss(beta=o.jsd_beta, normalized=_JSD_NORMALIZED[o.jsd_normalized], **x),
+))
+
+
 # ---------------------------------------------------------------------- DPO (§10)
 register_policy_term(PolicyTerm(
     name="dpo", fn=losses.dpo_loss, fields=("beta",), ratio="none", detached=("reference log-probs",),

@@ -116,7 +116,7 @@ def learner_logprobs(
     top_p: Optional[float] = None,
     want_hidden: bool = False,
     want_entropy: bool = False,
-    chunk_size: int = 1024,
+    chunk_size: "int | str" = "auto",
 ) -> LearnerOutput:
     """Log-probs of ``input_ids[:, 1:]`` under ``model`` (§4 alignment), masked by ``action_mask``."""
     h32, weight, bias = head_inputs(model, input_ids, attention_mask)
