@@ -67,7 +67,7 @@ def objective_text(config: Optional[Dict[str, Any]]) -> str:
     if config is None:
         return "(no config.json in the run directory: the objective is unknown)"
     try:
-        from ..explain import explain
+        from ..objective import explain  # trajgrad.explain.explain (objective imports it first)
         from ..train.config import build_config
 
         return explain(build_config(config).objective())
