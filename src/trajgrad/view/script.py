@@ -83,7 +83,7 @@ function rowHtml(r) {
   const versions = r.vmin === r.vmax ? fmt(r.vmin) : fmt(r.vmin) + "\u2013" + fmt(r.vmax);
   return '<tr class="ep-row' + (r.i === selected ? " selected" : "") + '" data-i="' + r.i + '">' +
     '<td class="' + (r.step_src === "estimated" ? "est" : "") + '" title="' + esc(r.step_src) + '">' + fmt(r.step) + "</td>" +
-    '<td class="left" title="' + esc(r.task) + '">' + esc(r.id) + "</td><td>" + r.seg + "</td><td>" + fmt(r.reward) + "</td>" +
+    '<td class="left ep-id" title="' + esc(r.id + " \u00b7 task " + r.task) + '">' + esc(r.id) + "</td><td>" + r.seg + "</td><td>" + fmt(r.reward) + "</td>" +
     '<td class="' + (r.success === true ? "ok" : (r.success === false ? "bad" : "")) + '">' + succ + "</td>" +
     "<td>" + r.turns + "</td><td>" + r.len + "</td><td>" + r.act + "</td><td>" + versions + "</td><td>" + fmt(r.lag) + "</td>" +
     '<td class="left">' + esc(r.status) + "</td></tr>";
@@ -141,17 +141,28 @@ function channelScale(vals, ch) {
   });
   return {max: m, min: lo};
 }
+const scales = {};
+function runScale(ch) {  // one scale per channel over every loaded trajectory: colours compare across episodes
+  if (ch === "role") return {max: 0, min: 0};
+  const key = ch + ":" + Object.keys(D.detail).length;
+  if (!(key in scales)) {
+    let vals = [];
+    Object.keys(D.detail).forEach(function (k) { const c = D.detail[k].ch[ch]; if (c) vals = vals.concat(c); });
+    scales[key] = channelScale(vals, ch);
+  }
+  return scales[key];
+}
 function colour(v, ch, sc) {
   if (v === null || v === undefined) return "repeating-linear-gradient(45deg,#e5e7eb,#e5e7eb 3px,#fff 3px,#fff 6px)";
   if (ch in BINARY) return v === BINARY[ch] ? "rgba(234,88,12,0.85)" : "rgba(22,163,74,0.18)";
   let x;
   if (LOGSCALE[ch] || DIVERGING[ch]) {
     x = LOGSCALE[ch] ? Math.log(Math.max(v, 1e-12)) : v;
-    const a = sc.max > 0 ? Math.min(1, Math.abs(x) / sc.max) * 0.85 : 0;
+    const a = sc.max > 0 ? Math.min(1, Math.abs(x) / sc.max) * 0.6 : 0;
     return x >= 0 ? "rgba(220,38,38," + a.toFixed(3) + ")" : "rgba(37,99,235," + a.toFixed(3) + ")";
   }
-  if (ch === "entropy") { const a = sc.max > 0 ? Math.min(1, v / sc.max) * 0.85 : 0; return "rgba(147,51,234," + a.toFixed(3) + ")"; }
-  const a = sc.min < 0 ? Math.min(1, v / sc.min) * 0.85 : 0;  // log-probs: darker = less likely
+  if (ch === "entropy") { const a = sc.max > 0 ? Math.min(1, v / sc.max) * 0.6 : 0; return "rgba(147,51,234," + a.toFixed(3) + ")"; }
+  const a = sc.min < 0 ? Math.min(1, v / sc.min) * 0.6 : 0;  // log-probs: darker = less likely
   return "rgba(202,138,4," + a.toFixed(3) + ")";
 }
 function legend(ch, d, sc) {
@@ -170,20 +181,19 @@ function legend(ch, d, sc) {
     return;
   }
   let bar, lo, hi;
-  if (LOGSCALE[ch]) { bar = "linear-gradient(90deg,rgba(37,99,235,.85),#fff,rgba(220,38,38,.85))"; lo = fmt(Math.exp(-sc.max)); hi = fmt(Math.exp(sc.max)); }
-  else if (DIVERGING[ch]) { bar = "linear-gradient(90deg,rgba(37,99,235,.85),#fff,rgba(220,38,38,.85))"; lo = fmt(-sc.max); hi = fmt(sc.max); }
+  if (LOGSCALE[ch]) { bar = "linear-gradient(90deg,rgba(37,99,235,.6),#fff,rgba(220,38,38,.6))"; lo = fmt(Math.exp(-sc.max)); hi = fmt(Math.exp(sc.max)); }
+  else if (DIVERGING[ch]) { bar = "linear-gradient(90deg,rgba(37,99,235,.6),#fff,rgba(220,38,38,.6))"; lo = fmt(-sc.max); hi = fmt(sc.max); }
   else if (ch === "entropy") { bar = "linear-gradient(90deg,#fff,rgba(147,51,234,.85))"; lo = "0"; hi = fmt(sc.max); }
   else { bar = "linear-gradient(90deg,rgba(202,138,4,.85),#fff)"; lo = fmt(sc.min); hi = "0"; }
   L.innerHTML = "<span>" + esc(CHANNELS[ch]) + ":</span><span>" + lo + ' <span class="bar" style="background:' + bar + '"></span> ' + hi + "</span>" +
-    '<span class="note">hatched: no value</span>';
+    '<span class="note">one scale for every loaded episode \u00b7 hatched: no value</span>';
 }
 function showEpisode(i) {
   const d = D.detail[String(i)], r = D.rows[i], ch = chanSel.value;
   current = d;
   const rec = d.step !== undefined ? " \u00b7 token record: step " + d.step + ", epoch " + (d.epoch + 1) + "/" + d.epochs : " \u00b7 no token record";
   $("episode-title").textContent = r.id + " (segment " + r.seg + ") \u00b7 reward " + fmt(r.reward) + " \u00b7 " + d.n_action + " action tokens" + rec;
-  const vals = ch === "role" ? [] : (d.ch[ch] || []);
-  const sc = channelScale(vals, ch);
+  const sc = runScale(ch);
   legend(ch, d, sc);
   const parts = [];
   let a = 0, t = 0;

@@ -36,6 +36,7 @@ th, td { padding: 2px 6px; border-bottom: 1px solid #eef0f3; text-align: right; 
 th { position: sticky; top: 0; background: var(--panel); cursor: pointer; user-select: none; }
 th.sorted-asc::after { content: " \25B2"; } th.sorted-desc::after { content: " \25BC"; }
 td.left, th.left { text-align: left; }
+td.ep-id { max-width: 210px; overflow: hidden; text-overflow: ellipsis; }
 tr.ep-row { cursor: pointer; } tr.ep-row:hover { background: #eef4ff; } tr.ep-row.selected { background: #dbe7ff; }
 td.ok { color: #15803d; } td.bad { color: #b91c1c; } td.est { color: var(--muted); font-style: italic; }
 #tokens { font: 12px/1.9 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; white-space: pre-wrap;
