@@ -339,3 +339,26 @@ def test_page_in_headless_chromium(browser, tiny_run, tmp_path):
     assert "ρ" in browser.find_element(By.ID, "objective").text or "ratio" in browser.find_element(By.ID, "objective").text
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
     assert errors == []
+
+
+def test_served_page_loads_detail_on_demand_in_chromium(browser, tiny_run):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    run_dir, _ = tiny_run
+    page, run = build_page(run_dir, max_tokens=0, serve=True)  # nothing embedded: every row is fetched
+    httpd = make_server(page, detail_lookup(run), port=0)
+    th = threading.Thread(target=httpd.serve_forever, daemon=True)
+    th.start()
+    try:
+        browser.get(f"http://127.0.0.1:{httpd.server_port}/")
+        assert "--serve" not in browser.find_element(By.ID, "caps").text  # says the others load from the server
+        row = browser.find_elements(By.CSS_SELECTOR, "#episodes tbody tr.ep-row")[1]
+        i = int(row.get_attribute("data-i"))
+        row.click()
+        n = run.trajectories[i][2].num_action_tokens
+        WebDriverWait(browser, 20).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tokens .tok.action")) == n)
+        assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")] == []
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
