@@ -1,4 +1,4 @@
-"""The ``trajgrad`` command line: train | explain | verify | example | plot | serve."""
+"""The ``trajgrad`` command line: train | explain | verify | example | plot | serve | view."""
 from __future__ import annotations
 
 import os
@@ -211,6 +211,30 @@ def serve(
                    model_name=model_name, policy_version=policy_version, seed=seed)
     except ValueError as exc:
         _fail(exc)
+
+
+@app.command()
+def view(
+    run_dir: Path = typer.Argument(..., help="A run directory (with trajectories.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="HTML file to write (default RUN_DIR/view.html)."),
+    serve: bool = typer.Option(False, "--serve", help="Serve the page on 127.0.0.1 instead (Ctrl-C stops); "
+                               "episodes beyond the embedding cap load on demand."),
+    port: int = typer.Option(8765, "--port", help="With --serve: the loopback port (0: any free one)."),
+    max_episodes: int = typer.Option(5000, "--max-episodes", help="Newest trajectories listed on the page."),
+    max_tokens: int = typer.Option(300_000, "--max-tokens", help="Tokens of token detail embedded (newest first)."),
+) -> None:
+    """Write one self-contained HTML page over a run: episodes, coloured tokens, curves, objective (docs/view.md)."""
+    from .view import serve_view, write_view
+
+    try:
+        if serve:
+            serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens, console=typer.echo)
+            return
+        typer.echo(str(write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens)))
+    except ValueError as exc:
+        _fail(exc)
+    except OSError as exc:
+        _fail(ValueError(f"{getattr(exc, 'filename', None) or 'out'}: {exc.strerror or exc}"))
 
 
 def main() -> None:  # console script entry point

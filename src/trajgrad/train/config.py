@@ -163,6 +163,10 @@ class CheckpointConfig(_Strict):
 class LogConfig(_Strict):
     tensorboard: bool = True
     progress: bool = True
+    token_log: bool = Field(True, description="per-token sidecar log tokens.jsonl (advantages, ratios, clip and "
+                            "correction masks, log-probs, entropy) for `trajgrad view`; docs/view.md")
+    token_log_max_mb: float = Field(64.0, gt=0, le=1_000_000, description="tokens.jsonl stops growing at this size "
+                                    "(a last line marks the step it stopped at)")
 
 
 class Config(_Strict):

@@ -39,7 +39,7 @@ from ..aggregate import masked_mean
 from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
-from . import loop, updates
+from . import loop, tokenlog, updates
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .demos import build_dpo_pairs, demo_batch, pairs_for_step
@@ -323,8 +323,9 @@ class Trainer:
         # 3. the policy update (none while the critic warms up)
         t0 = time.perf_counter()
         if not (obj.critic and self.step < cfg.critic.warmup_steps):
-            metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour,
-                                               behaviour_logp=behaviour_logp))
+            with tokenlog.recording(self, batch):  # tokens.jsonl for `trajgrad view`
+                metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour,
+                                                   behaviour_logp=behaviour_logp))
             self._new_version()
         metrics["time/update"] = time.perf_counter() - t0
         if self.lagrange is not None:

@@ -35,6 +35,7 @@ from ..rollout import RolloutBatch
 from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
+from . import tokenlog
 
 
 @dataclass
@@ -180,6 +181,7 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     seen_logp, seen_ent = [], []
     acc = TokenWeightedMetrics(mask.sum())
     loss_total, grad_norm = 0.0, None
+    rec = tokenlog.active()  # the per-token record of this update (trajgrad view), or None
     for _epoch in range(st.epochs_per_batch):
         st.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
@@ -189,7 +191,7 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if with_entropy:
                 lp, ent = logprobs_with_entropy(st, mb)
             else:
-                out = logprobs(st, mb, want_entropy=first)
+                out = logprobs(st, mb, want_entropy=first or rec is not None)
                 lp, ent = out.logp.double(), out.entropy
             if first:
                 seen_logp.append(lp.detach())
@@ -199,7 +201,12 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
                                   behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
                                   ref_logp=None if ref_logp is None else ref_logp[idx],
                                   entropy=ent if with_entropy else None, denominator=den)
+            if rec is not None and lp.requires_grad:
+                lp.retain_grad()
             res.loss.backward()
+            if rec is not None:
+                rec.add(obj, mb, idx, lp, ent, advantages[idx], old_mb,
+                        None if behaviour_logp is None else behaviour_logp[idx], epoch=_epoch)
             loss_total += float(res.loss.detach())
             acc.add(res.metrics, mb.action_mask.sum())
         grad_norm = finish_step(params, st.optimizer, st.grad_clip)
