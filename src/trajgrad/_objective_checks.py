@@ -103,3 +103,5 @@ def validate(o) -> None:
     _finite_positive("jsd_beta", o.jsd_beta, allow_zero=True)
     _checks.check_in_range("jsd_beta", o.jsd_beta, 0.0, 1.0)
     _checks.check_choice("jsd_normalized", o.jsd_normalized, ("kl_at_ends", "normalized", "unnormalized"))
+    if o.dppo_ratio_cap is not None:
+        _finite_positive("dppo_ratio_cap", o.dppo_ratio_cap)

@@ -129,6 +129,8 @@ class Objective:
       log_clip_low, log_clip_high: GMPO's clip range on the token *log* ratio.
       delta_low, delta_high: DPPO's trust region (probability units for binary TV, nats
         for binary KL).
+      dppo_ratio_cap: DPPO's detached ratio weight truncated at this value (``None``: not
+        truncated; verl truncates at its ``clip_ratio_c``, 3 with its defaults).
       cov_ratio, cov_low: Clip-Cov / KL-Cov: fraction of valid tokens selected, and Clip-Cov's
         lower covariance bound (the upper one is the paper's 5, a constant of the recipe;
         ``trajgrad.losses.clip_cov_loss`` takes both). Clip-Cov's random selection is seeded
@@ -179,6 +181,7 @@ class Objective:
     log_clip_high: float = 0.4
     delta_low: float = 0.1
     delta_high: float = 0.1
+    dppo_ratio_cap: Optional[float] = None
     cov_ratio: float = 2e-4
     cov_low: float = 1.0
     cov_kl_coef: float = 1.0

@@ -203,19 +203,26 @@ def _dppo_text(kind):
         else:
             d = "D_it = q log(q/p) + (1−q) log((1−q)/(1−p))  (binary KL of the sampled token, p = π_θ, q = π_old)"
             m = (f"M_it = 0 if (A > 0, p > q, D > {o.delta_high:g}) or (A < 0, p < q, D > {o.delta_low:g}), else 1")
+        r = "r_it" if o.dppo_ratio_cap is None else f"min(r_it, {o.dppo_ratio_cap:g})"
         return (d + "\n" + m + "   (trust region on the probability, one-sided like §8)\n"
-                "x_it = − M_it · sg[r_it] · A_it · log π_θ(y_it),  r_it = π_θ/π_old   (gradient M r A ∇log π_θ)")
+                f"x_it = − M_it · sg[{r}] · A_it · log π_θ(y_it),  r_it = π_θ/π_old   (gradient M sg[{r}] A ∇log π_θ)")
     return text
 
 
-for _kind, _fn in (("tv", losses.dppo_tv_loss), ("kl", losses.dppo_kl_loss)):
-    register_policy_term(PolicyTerm(
-        name=f"dppo_{_kind}", fn=_fn, fields=("delta_low", "delta_high"), ratio="old",
-        detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
-        text=_dppo_text(_kind), verify_noise=0.6,
-        call=(lambda f: lambda o, x: f(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
-                                       delta_high=o.delta_high, **x.agg))(_fn),
-    ))
+register_policy_term(PolicyTerm(
+    name="dppo_tv", fn=losses.dppo_tv_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"), ratio="old",
+    detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
+    text=_dppo_text("tv"), verify_noise=0.6,
+    call=lambda o, x: losses.dppo_tv_loss(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
+                                          delta_high=o.delta_high, ratio_cap=o.dppo_ratio_cap, **x.agg),
+))
+register_policy_term(PolicyTerm(
+    name="dppo_kl", fn=losses.dppo_kl_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"),
+    ratio="old", detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
+    text=_dppo_text("kl"), verify_noise=0.6,
+    call=lambda o, x: losses.dppo_kl_loss(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
+                                          delta_high=o.delta_high, ratio_cap=o.dppo_ratio_cap, **x.agg),
+))
 
 
 # ---------------------------------------------------------------------- Clip-Cov / KL-Cov (Cui et al. 2025)

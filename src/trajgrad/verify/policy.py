@@ -55,7 +55,8 @@ NOTES = {
 def _batch(gen: torch.Generator, B: int, L: int, recipe, include_kl: bool) -> Dict[str, torch.Tensor]:
     mask = _ragged_mask(gen, B, L)
     logp = -torch.rand(B, L, generator=gen, dtype=F64) * 3 - 0.01
-    old = logp + recipe.term.verify_noise * torch.randn(B, L, generator=gen, dtype=F64)
+    # log-probs stay log-probabilities (≤ 0): terms of the probabilities themselves (DPPO) need it
+    old = (logp + recipe.term.verify_noise * torch.randn(B, L, generator=gen, dtype=F64)).clamp(max=-1e-6)
     adv = torch.randn(B, generator=gen, dtype=F64)[:, None].expand(B, L).clone()
     if not recipe.term.sequence_advantages and recipe.advantage_level == "token":
         adv = torch.randn(B, L, generator=gen, dtype=F64)
@@ -187,7 +188,7 @@ def verify_policy(
                 grads = torch.cat([o[1] for o in outs], 0) * scale
                 record(dist_check, max(_maxdev(total, v), _maxdev(grads, g)), tol(g) + tol(v))
     far = _batch(gen, 6, 40, recipe, include_kl)
-    far["old_logp"] = far["logp"] + 1.5 * torch.randn(far["logp"].shape, generator=gen, dtype=F64)
+    far["old_logp"] = (far["logp"] + 1.5 * torch.randn(far["logp"].shape, generator=gen, dtype=F64)).clamp(max=-1e-6)
     got = attempt("off_policy", lambda: _call(loss_fn, far))
     if got is not None:
         rvf, rgf = _call(ref_fn, far)
