@@ -127,6 +127,22 @@ def resolve_model_path(path: str, *, key: str = "model.path") -> Path:
     return where
 
 
+def _load_tokenizer(where: Path, auto):
+    """The tokenizer saved in ``where``. One declared as the generic fast tokenizer
+    (``tokenizer_class`` ``PreTrainedTokenizerFast`` / ``TokenizersBackend``) with a
+    ``tokenizer.json`` is loaded from that file as is: ``AutoTokenizer`` would build the
+    model type's own tokenizer class instead, whose pre-tokenizer can differ from the saved one."""
+    try:
+        declared = json.loads((where / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") and (where / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(where))
+    return auto.from_pretrained(str(where))
+
+
 def load_pretrained(path: str, *, dtype: torch.dtype, key: str = "model.path") -> Tuple[torch.nn.Module, object]:
     """``(model, tokenizer)`` from :func:`resolve_model_path`'s directory, offline, in eval mode.
 
@@ -140,7 +156,7 @@ def load_pretrained(path: str, *, dtype: torch.dtype, key: str = "model.path") -
     where = resolve_model_path(path, key=key)
     with offline():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(where))
+            tokenizer = _load_tokenizer(where, AutoTokenizer)
         except Exception as exc:
             raise ValueError(f"{key}: cannot load the tokenizer from {str(where)!r}: {' '.join(str(exc).split())[:300]}") from None
         if not getattr(tokenizer, "chat_template", None):
