@@ -332,3 +332,20 @@ def test_bad_paths_give_one_clear_error_naming_the_key(tmp_path, qwen_dir):
         _path_config(qwen_dir, **{"rollout.template_mismatch": "ignore"})
     assert load_config(preset="tiny", overrides={"rollout.template_mismatch": "truncate"}).rollout.template_mismatch \
         == "truncate"
+
+
+def test_teacher_from_a_path_shares_the_policy_tokenizer(qwen_dir, tmp_path):
+    from trajgrad.train.setup import build_teacher
+
+    cfg = _path_config(qwen_dir, **{"recipe.name": "opd", "teacher.path": qwen_dir, "model.lora": None})
+    _, tok = build_model(path=qwen_dir)
+    teacher = build_teacher(cfg, tok, sft=None, console=lambda *_: None)
+    assert type(teacher).__name__ == "Qwen2ForCausalLM" and not teacher.training
+    assert not any(p.requires_grad for p in teacher.parameters())
+    other = save_family_checkpoint("llama", tmp_path / "llama", seed=0)
+    cfg = _path_config(qwen_dir, **{"recipe.name": "opd", "teacher.path": other})
+    with pytest.raises(ValueError, match=r"^teacher\.path: .*another vocabulary"):
+        build_teacher(cfg, tok, sft=None, console=lambda *_: None)
+    # a tiny teacher needs the tiny tokenizer: refused at load time, naming the key
+    with pytest.raises(ValueError, match=r"teacher\.name: 'sft' builds a tiny teacher.*teacher\.path"):
+        _path_config(qwen_dir, **{"recipe.name": "opd"})
