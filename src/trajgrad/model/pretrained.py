@@ -80,7 +80,7 @@ def _from_cache(repo_id: str, key: str) -> Path:
         raise ValueError(
             f"{key}: {repo_id!r} is neither a local directory nor a model in the local Hugging Face cache "
             f"(looked for the directory {os.path.abspath(os.path.expanduser(repo_id))!r} and in the cache {cache!r}; "
-            f"nothing is downloaded: fetch it first, e.g. `huggingface-cli download {repo_id}`, or give a "
+            f"nothing is downloaded: fetch it first, e.g. `hf download {repo_id}`, or give a "
             f"directory written by save_pretrained) [{type(exc).__name__}]"
         ) from None
     return Path(found)
