@@ -349,3 +349,29 @@ def test_teacher_from_a_path_shares_the_policy_tokenizer(qwen_dir, tmp_path):
     # a tiny teacher needs the tiny tokenizer: refused at load time, naming the key
     with pytest.raises(ValueError, match=r"teacher\.name: 'sft' builds a tiny teacher.*teacher\.path"):
         _path_config(qwen_dir, **{"recipe.name": "opd"})
+
+
+def test_lean_decode_of_a_loaded_llama_variant_equals_its_own_forward():
+    """Llama variants (biases in attention and MLP, llama3 rope scaling, an explicit head
+    size, grouped-query attention) decode with the lean step; it equals the model's forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trajgrad.rollout.generation import sample_actions
+
+    tok = family_tokenizer("llama")
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True,
+        initializer_range=0.2, max_position_embeddings=256,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert fast_backbone(model) is not None
+    seqs = [encode(tok, "x" * n) for n in (3, 17, 40)]
+    eot = end_of_turn_id(tok)
+    runs = [sample_actions(model, seqs, eos_ids=[eot], pad_id=tok.pad_token_id, temperature=1.0, max_new_tokens=24,
+                           generator=torch.Generator().manual_seed(5), fast_decode=fast) for fast in (True, False)]
+    for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(*runs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-5
