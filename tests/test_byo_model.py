@@ -375,3 +375,13 @@ def test_lean_decode_of_a_loaded_llama_variant_equals_its_own_forward():
     for (ids_a, lp_a, _), (ids_b, lp_b, _) in zip(*runs):
         assert ids_a == ids_b
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-5
+
+
+def test_a_template_that_refuses_a_conversation_gives_a_value_error():
+    strict = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+              "{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + '<end_of_turn>\\n' }}"
+              "{% endfor %}")
+    tok = family_tokenizer("gemma", template=strict)
+    with pytest.raises(ValueError, match=r"^messages: the chat template refused .*'system'.*System role not supported"):
+        chat_text(tok, [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])
+    assert chat_text(tok, [{"role": "user", "content": "Q"}]) == "<start_of_turn>user\nQ<end_of_turn>\n"

@@ -130,7 +130,15 @@ def chat_text(tokenizer, messages: Sequence[Dict[str, str]], *, tools=None, add_
     tools = _check_tools(tools)
     if getattr(tokenizer, "chat_template", None):
         kw = {"tools": tools} if tools is not None else {}
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **kw)
+        except Exception as exc:  # jinja2's TemplateError, raise_exception() of the template, ...
+            if isinstance(exc, ValueError) and str(exc).startswith(("messages:", "tools:")):
+                raise
+            roles = [m["role"] for m in messages]
+            raise ValueError(f"messages: the chat template refused the conversation (roles {roles}): "
+                             f"{' '.join(str(exc).split())[:200]}") from None
     if tools is not None:
         raise ValueError("tools: the tokenizer has no chat template to render tool schemas with")
     return "".join(format_message(m) for m in messages) + (GENERATION_PROMPT if add_generation_prompt else "")
