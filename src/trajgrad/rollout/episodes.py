@@ -291,7 +291,7 @@ class EpisodeRunner:
                 if key is not None:
                     key = (key, None if tools is None else json.dumps(tools, sort_keys=True))
                 if key is None or key not in encoded:
-                    ids = prompt_ids(self.tokenizer, messages, tools) if tools else prompt_ids(self.tokenizer, messages)
+                    ids = prompt_ids(self.tokenizer, messages, tools)
                     chat = ChatSession(self.tokenizer, messages, tools=tools, prompt=ids)
                     if key is not None:
                         encoded[key] = chat
