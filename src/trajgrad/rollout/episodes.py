@@ -12,8 +12,17 @@ Each action ends at the end-of-turn token (kept as its last token) or is cut at
 ``max_new_tokens`` (``Turn.cut``; the observation then starts with the end-of-turn token
 that closes the message, a token the policy did not sample). The action text (without the
 end-of-turn token) goes to ``env.step``; the returned messages are appended as observation
-tokens (:func:`~trajgrad.rollout.chat.observation_ids`), never re-tokenized together with
-the action.
+tokens: what the model's chat template adds after the sampled tokens
+(:class:`~trajgrad.rollout.chat.ChatSession`), never re-tokenized together with the action.
+The environment (or the task source) may offer tool schemas for the template's ``tools=``
+(``tool_schemas``, :func:`~trajgrad.rollout.chat.tool_schemas_of`).
+
+Template mismatch: when the template renders the conversation so far differently from the
+tokens held (:class:`~trajgrad.rollout.chat.TemplateMismatch`: it drops earlier reasoning,
+trims whitespace, ...), ``template_mismatch="error"`` raises, ``"truncate"`` ends the
+episode there as truncated (``metadata["truncated_by"] == "template_mismatch"``,
+``metadata["template_mismatch"]`` True); either way the episode's later tokens are never
+trained and :attr:`EpisodeRunner.template_mismatches` counts it.
 
 KV reuse (backends with ``reuse_kv``): the keys and values an episode's context produced
 are kept between its turns, so a turn only runs the model on the tokens added since.
@@ -33,6 +42,8 @@ then the messages the step returned (same ``episode_id``).
 """
 from __future__ import annotations
 
+import copy
+import json
 import math
 import time
 import uuid
@@ -42,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..model.kv import RowKV
-from .chat import decode_action, observation_ids, prompt_ids
+from .chat import ChatSession, TemplateMismatch, decode_action, prompt_ids, tool_schemas_of
 from .trajectory import Trajectory, Turn
 
 __all__ = ["EpisodeRunner"]
@@ -67,6 +78,9 @@ class _Episode:
     success: Optional[bool] = None
     kv: Optional[RowKV] = None  # keys/values of a prefix of ``tokens`` (KV reuse across turns)
     kv_epoch: int = -1
+    chat: Optional[ChatSession] = None  # the conversation as messages and as the text its tokens hold
+    tools: Optional[List[Dict[str, Any]]] = None
+    mismatch: bool = False
 
 
 def _messages_key(messages) -> Optional[Tuple[Tuple[str, str], ...]]:
@@ -119,10 +133,16 @@ class EpisodeRunner:
       progress: show a progress bar over episodes.
       max_context_tokens: an episode whose context plus ``max_new_tokens`` would exceed
         this is truncated (default: ``backend.context_limit()``).
+      template_mismatch: ``"error"`` (raise) or ``"truncate"`` (end the episode as
+        truncated) when the chat template re-renders the history differently from the
+        tokens held (``rollout.template_mismatch``).
     """
 
     def __init__(self, backend, tokenizer, *, policy_version: int = 0, progress: bool = False,
-                 max_context_tokens: Optional[int] = None):
+                 max_context_tokens: Optional[int] = None, template_mismatch: str = "error"):
+        self.template_mismatch = template_mismatch
+        #: episodes whose template re-rendered the history differently (cumulative)
+        self.template_mismatches = 0
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_id = backend.eos_id
@@ -155,6 +175,17 @@ class EpisodeRunner:
         if self._max_context_tokens is not None:
             return self._max_context_tokens
         return self.backend.context_limit()
+
+    @property
+    def template_mismatch(self) -> str:
+        """``"error"`` or ``"truncate"``: what a template that re-renders the history differently does."""
+        return self._template_mismatch
+
+    @template_mismatch.setter
+    def template_mismatch(self, mode: str) -> None:
+        if mode not in ("error", "truncate"):
+            raise ValueError(f"template_mismatch: expected 'error' or 'truncate', got {mode!r}")
+        self._template_mismatch = mode
 
     # -------------------------------------------------------------------- settings
     def set_policy_version(self, version: int) -> None:
@@ -247,26 +278,33 @@ class EpisodeRunner:
         run = uuid.uuid4().hex[:10]
 
         episodes: List[_Episode] = []
-        encoded: Dict[Tuple[Tuple[str, str], ...], List[int]] = {}  # a group's members share a prompt
+        encoded: Dict[Any, ChatSession] = {}  # a group's members share a prompt
+        source = task_source_or_env_factory if hasattr(task_source_or_env_factory, "make_env") else None
         for task in tasks:
             for g in range(group_size):
                 env = make_env()
                 t0 = time.perf_counter()
                 messages = list(env.reset(task))
                 reset_s = time.perf_counter() - t0
+                tools = tool_schemas_of(env, source)
                 key = _messages_key(messages)
-                if key is None:
-                    ids = prompt_ids(self.tokenizer, messages)
+                if key is not None:
+                    key = (key, None if tools is None else json.dumps(tools, sort_keys=True))
+                if key is None or key not in encoded:
+                    ids = prompt_ids(self.tokenizer, messages, tools)
+                    chat = ChatSession(self.tokenizer, messages, tools=tools, prompt=ids)
+                    if key is not None:
+                        encoded[key] = chat
                 else:
-                    if key not in encoded:
-                        encoded[key] = prompt_ids(self.tokenizer, messages)
-                    ids = list(encoded[key])
+                    chat = copy.copy(encoded[key])
+                ids = list(chat.prompt_ids)
                 self._check_fits(ids, task, max_context)
                 system = [m for m in messages[:1] if m.get("role") == "system"]
                 episodes.append(
                     _Episode(
                         task=task, group_index=g, env=env, episode_id=f"{task.id}#{g}-{run}", system=system,
                         prompt=ids, tokens=list(ids), initial_potential=_potential(env), reset_seconds=reset_s,
+                        chat=chat, tools=tools,
                     )
                 )
 
@@ -349,10 +387,20 @@ class EpisodeRunner:
             info.setdefault("truncated_by", "max_turns")
         done = terminated or truncated
         summary = info.get("compact") if not done else None
-        if done or summary is not None:
-            obs: List[int] = []
-        else:
-            obs = observation_ids(self.tokenizer, messages, action_closed=not cut)
+        obs: List[int] = []
+        if not (done or summary is not None):
+            try:
+                obs = ep.chat.observe(action, text, messages)
+            except TemplateMismatch as exc:
+                self.template_mismatches += 1
+                if self.template_mismatch == "error":
+                    raise TemplateMismatch(
+                        f"template_mismatch (rollout.template_mismatch): episode {ep.episode_id!r}, turn "
+                        f"{ep.n_turns}: {exc}; set it to 'truncate' to end such episodes as truncated instead"
+                    ) from None
+                truncated = done = True
+                ep.mismatch = True
+                info["truncated_by"] = "template_mismatch"
         ep.turns.append(
             Turn(
                 action_ids=action, observation_ids=obs, behaviour_logp=logp, policy_version=version,
@@ -369,7 +417,8 @@ class EpisodeRunner:
             self._close_segment(ep, sampling, compacted=True)
             context = ep.system + [{"role": "user", "content": str(summary)}] + messages
             ep.segment += 1
-            ep.prompt = prompt_ids(self.tokenizer, context)
+            ep.chat = ChatSession(self.tokenizer, context, tools=ep.tools)
+            ep.prompt = list(ep.chat.prompt_ids)
             self._check_fits(ep.prompt, ep.task, self.max_context_tokens)
             ep.tokens = list(ep.prompt)
             ep.kv = None
@@ -388,6 +437,7 @@ class EpisodeRunner:
                     "initial_potential": ep.initial_potential,
                     "reset_seconds": ep.reset_seconds if ep.segment == 0 else 0.0,
                     "compacted": compacted,
+                    **({"template_mismatch": True, "truncated_by": "template_mismatch"} if ep.mismatch else {}),
                 },
             )
         )

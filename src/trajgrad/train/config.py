@@ -32,7 +32,9 @@ class LoraConfig(_Strict):
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: List[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    target_modules: Optional[List[str]] = Field(
+        None, description="modules to adapt; None = detected for the architecture (q/k/v/o_proj where the model "
+        "has them, else peft's defaults for its type, else every linear layer but the head)")
 
 
 class TinyModelConfig(_Strict):
@@ -43,7 +45,15 @@ class TinyModelConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: Literal["smollm2", "tiny"] = "smollm2"
+    """The policy: a named preset (``name``) or any Hugging Face causal LM (``path``).
+
+    ``path``: a local checkpoint directory (config, weights, tokenizer with a chat
+    template) or a hub id in the local Hugging Face cache (never downloaded); it wins over
+    ``name``. ``lora: null`` trains every parameter (full fine-tuning).
+    """
+
+    name: Literal["smollm2", "tiny"] = Field("smollm2", description="built-in model (ignored when path is set)")
+    path: Optional[str] = Field(None, description="checkpoint directory or hub id in the local HF cache")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="base weights; auto = bfloat16 only where the hardware computes it natively "
         "(AVX512-BF16/AMX CPUs, CUDA), else float32 (bf16 is emulated and slower on AVX2-only CPUs)")
@@ -75,6 +85,9 @@ class RolloutConfig(_Strict):
     base_url: Optional[str] = Field(None, description="server URL for backend 'openai', e.g. http://127.0.0.1:8000")
     server: Literal["trajgrad", "vllm", "sglang"] = "trajgrad"
     model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
+    template_mismatch: Literal["error", "truncate"] = Field(
+        "error", description="when the chat template re-renders the history differently from the sampled tokens: "
+        "error = raise, truncate = end the episode as truncated (counted; never trained)")
 
 
 class RecipeConfig(_Strict):
@@ -134,6 +147,8 @@ class ConstraintConfig(_Strict):
 
 class TeacherConfig(_Strict):
     name: Literal["smollm2", "tiny", "sft"] = "sft"
+    path: Optional[str] = Field(None, description="the teacher from a checkpoint directory or a cached hub id "
+                                "(same tokenizer as the policy); wins over name")
     tiny: TinyModelConfig = TinyModelConfig(seed=1)
 
 

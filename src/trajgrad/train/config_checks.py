@@ -4,6 +4,8 @@ Everything here runs before any model is built, and every error names its dotted
 
 * :func:`check_config` (every config): the recipe and its overrides (known fields, strict
   types, finite numbers, clip bounds inside their domain), the tiny models' shapes, the
+  checkpoints ``model.path`` / ``teacher.path`` name (a directory or a hub id in the local
+  cache, holding config, weights and tokenizer; nothing loaded or downloaded), the
   task's options (validated by the task source itself, with strict types taken from its
   options dataclass), the environment latency spec, and whether the task can provide
   ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks.
@@ -112,16 +114,38 @@ def _check_tiny(prefix: str, tiny, errors: _Errors) -> None:
                    "must be even (rotary position embeddings)")
 
 
+def _check_path(key: str, path: str, errors: _Errors) -> None:
+    """The checkpoint ``path`` resolves (directory or cached hub id; files only, nothing loaded)."""
+    from ..model.pretrained import resolve_model_path
+
+    try:
+        resolve_model_path(path, key=key)
+    except ValueError as exc:
+        msg = str(exc)
+        errors.add(key, _one_line(msg[len(key) + 1:] if msg.startswith(key + ":") else msg))
+
+
 def _check_models(cfg, obj, errors: _Errors) -> None:
-    if cfg.model.name == "tiny":
-        _check_tiny("model.tiny", cfg.model.tiny, errors)
+    m = cfg.model
+    if m.path is not None:
+        _check_path("model.path", m.path, errors)
+    elif m.name == "tiny":
+        _check_tiny("model.tiny", m.tiny, errors)
+    if m.lora is not None and m.lora.target_modules is not None and not m.lora.target_modules:
+        errors.add("model.lora.target_modules", "empty; leave it unset (null) to detect the modules to adapt")
     if obj is not None and obj.kind == "distill":
-        if cfg.teacher.name == "smollm2" and cfg.model.name != "smollm2":
-            errors.add("teacher.name", "'smollm2' needs model.name 'smollm2' (the same tokenizer)")
-        elif cfg.teacher.name in ("tiny", "sft"):
-            if cfg.model.name != "tiny":
-                errors.add("teacher.name", f"{cfg.teacher.name!r} builds a tiny teacher; it needs model.name 'tiny'")
-            _check_tiny("teacher.tiny", cfg.teacher.tiny, errors)
+        tc = cfg.teacher
+        policy = "model.path" if m.path is not None else f"model.name {m.name!r}"
+        if tc.path is not None:
+            _check_path("teacher.path", tc.path, errors)
+        elif tc.name == "smollm2" and (m.path is not None or m.name != "smollm2"):
+            errors.add("teacher.name", f"'smollm2' needs model.name 'smollm2' (the same tokenizer), not {policy}; "
+                       "give teacher.path for another teacher")
+        elif tc.name in ("tiny", "sft"):
+            if m.path is not None or m.name != "tiny":
+                errors.add("teacher.name", f"{tc.name!r} builds a tiny teacher; it needs model.name 'tiny', not "
+                           f"{policy}; give teacher.path for a teacher of this tokenizer")
+            _check_tiny("teacher.tiny", tc.tiny, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
 
@@ -275,12 +299,16 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
          ("asynchronous.enabled",)),
         ("rollout.", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'",
-         ("rollout.backend",)),
+         ("rollout.backend", "rollout.template_mismatch")),
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),
         ("critic.", not obj.critic, f"has no effect: recipe {obj.name!r} trains no critic", ()),
-        ("model.tiny.", cfg.model.name != "tiny", "has no effect unless model.name is 'tiny'", ()),
-        ("teacher.tiny.", cfg.teacher.name == "smollm2", "has no effect with teacher.name 'smollm2'", ()),
+        ("model.tiny.", cfg.model.name != "tiny" or cfg.model.path is not None,
+         "has no effect unless model.name is 'tiny' (and model.path is not set)", ()),
+        ("model.name", cfg.model.path is not None, "has no effect when model.path is set (the model comes from it)", ()),
+        ("teacher.tiny.", cfg.teacher.name == "smollm2" or cfg.teacher.path is not None,
+         "has no effect with teacher.name 'smollm2' or teacher.path", ()),
+        ("teacher.name", cfg.teacher.path is not None, "has no effect when teacher.path is set", ()),
         ("eval.during_n", cfg.eval.every == 0, "has no effect when eval.every is 0 (no evaluation during training)", ()),
         ("sampling.top_k", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),
         ("sampling.top_p", cfg.sampling.temperature == 0, "has no effect at sampling.temperature 0 (greedy)", ()),

@@ -57,22 +57,32 @@ def build_learner(cfg: Config, objective: Objective):
 def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch.nn.Module:
     """The frozen teacher of on-policy distillation (§14).
 
-    ``teacher.name``: ``"smollm2"`` (the embedded model, frozen; the policy must share its
-    tokenizer), ``"tiny"`` (a random tiny model: a smoke test only) or ``"sft"`` (a tiny
-    model of ``teacher.tiny``'s size trained on demonstrations for ``max(50, 2 * sft.steps)``
-    steps with ``sft(steps, batch_size, lr, model=..., seed_salt=...)``; the student then
-    distils it).
+    ``teacher.path``: any causal LM from a checkpoint directory or a cached hub id (loaded
+    like ``model.path``, in the policy's dtype); its tokenizer must have the policy's
+    vocabulary. Otherwise ``teacher.name``: ``"smollm2"`` (the embedded model, frozen; the
+    policy must share its tokenizer), ``"tiny"`` (a random tiny model: a smoke test only) or
+    ``"sft"`` (a tiny model of ``teacher.tiny``'s size trained on demonstrations for
+    ``max(50, 2 * sft.steps)`` steps with ``sft(steps, batch_size, lr, model=...,
+    seed_salt=...)``; the student then distils it).
     """
+    from ..model.build import build_model
     from ..model.smollm2 import load_smollm2
     from ..model.tiny import build_tiny_model
 
     tc = cfg.teacher
-    if tc.name == "smollm2":
-        if cfg.model.name != "smollm2":
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.model.dtype, "auto")
+    if tc.path is not None:
+        teacher, teacher_tok = build_model(path=tc.path, dtype=dtype, key="teacher.path")
+        if teacher_tok.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"teacher.path: the tokenizer of {tc.path!r} has another vocabulary than the policy's "
+                             f"({len(teacher_tok)} vs {len(tokenizer)} tokens); distillation compares per-token "
+                             "distributions, so both need the same tokenizer")
+    elif tc.name == "smollm2":
+        if cfg.model.name != "smollm2" or cfg.model.path is not None:
             raise ValueError("teacher.name: 'smollm2' needs model.name 'smollm2' (same tokenizer)")
-        teacher, _ = load_smollm2(dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.model.dtype, "auto"))
+        teacher, _ = load_smollm2(dtype=dtype)
     else:
-        if cfg.model.name != "tiny":
+        if cfg.model.name != "tiny" or cfg.model.path is not None:
             raise ValueError(f"teacher.name: {tc.name!r} builds a tiny teacher; it needs model.name 'tiny'")
         t = tc.tiny
         teacher = build_tiny_model(tokenizer, hidden_size=t.hidden_size, layers=t.layers, heads=t.heads, seed=t.seed)
@@ -86,18 +96,27 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
 
 
 def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
-    """The rollout backend: the in-process :class:`HFSampler`, or an OpenAI-compatible server."""
+    """The rollout backend: the in-process :class:`HFSampler`, or an OpenAI-compatible server.
+
+    Either renders conversations with the model's chat template; ``rollout.template_mismatch``
+    says what a template that re-renders the history differently does.
+    """
     s = cfg.sampling
     if cfg.rollout.backend == "openai":
         from ..rollout.openai_backend import OpenAISampler
 
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
-        return OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=cfg.rollout.model_name or cfg.model.name,
-                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                             max_new_tokens=s.max_new_tokens, policy_version=policy_version, server=cfg.rollout.server)
-    return HFSampler(model, tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                     max_new_tokens=s.max_new_tokens, policy_version=policy_version)
+        served = cfg.rollout.model_name or (cfg.model.path if cfg.model.path is not None else cfg.model.name)
+        sampler = OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=served,
+                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                max_new_tokens=s.max_new_tokens, policy_version=policy_version,
+                                server=cfg.rollout.server)
+    else:
+        sampler = HFSampler(model, tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                            max_new_tokens=s.max_new_tokens, policy_version=policy_version)
+    sampler.template_mismatch = cfg.rollout.template_mismatch
+    return sampler
 
 
 def build_lagrange(cfg: Config) -> Optional[LagrangeMultiplier]:
