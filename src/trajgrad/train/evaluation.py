@@ -49,6 +49,7 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     seed_everything(step_seed(cfg.train.seed, 0, salt=99))
     sampler = HFSampler(model, trainer.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
                         max_new_tokens=cfg.sampling.max_new_tokens, policy_version=trainer.policy_version)
+    sampler.template_mismatch = cfg.rollout.template_mismatch
     tasks = trainer.heldout_tasks
     if tag == "during" and cfg.eval.during_n:
         tasks = tasks[:cfg.eval.during_n]

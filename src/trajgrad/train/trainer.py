@@ -203,7 +203,7 @@ class Trainer:
         G, P = obj.group_size, cfg.train.prompts_per_step
         kept: List[Trajectory] = []
         stats = {"dynamic/discarded_groups": 0.0, "dynamic/discarded_tokens": 0.0, "dynamic/tries": 0.0,
-                 "time/generate": 0.0, "gen_tokens": 0.0}
+                 "time/generate": 0.0, "gen_tokens": 0.0, "rollout/template_mismatch": 0.0}
         need = P
         for attempt in range(cfg.train.dynamic_sampling_max_tries if obj.dynamic_sampling else 1):
             tasks = dist_lib.shard(self.next_tasks(need), self.rank, self.world)
@@ -213,6 +213,8 @@ class Trainer:
             stats["time/generate"] += time.perf_counter() - t0
             stats["gen_tokens"] += sum(t.num_action_tokens for t in trajs)
             stats["dynamic/tries"] += 1
+            # episodes a chat template would have re-rendered differently (ended, never trained past it)
+            stats["rollout/template_mismatch"] += sum(bool(t.metadata.get("template_mismatch")) for t in trajs)
             groups: Dict[str, List[Trajectory]] = {}
             for t in trajs:
                 groups.setdefault(t.task_id, []).append(t)

@@ -57,6 +57,7 @@ class RolloutWorker:
         s = cfg.sampling
         self.sampler = HFSampler(self.model, self.tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                  max_new_tokens=s.max_new_tokens, policy_version=0)
+        self.sampler.template_mismatch = cfg.rollout.template_mismatch
         self.store = store
         self.version = -1  # nothing loaded from the store yet
         self.syncs = 0
