@@ -27,13 +27,27 @@ from .tools import Tool, ToolRegistry
 __all__ = ["ToolEnv", "tools_system_prompt"]
 
 
-def tools_system_prompt(schemas: Sequence[dict], preamble: str = "") -> str:
-    """A system prompt listing ``schemas`` and the call format (Hermes layout)."""
+def _brief(schema: dict) -> str:
+    fn = schema["function"]
+    params = ", ".join(fn["parameters"]["properties"])
+    return f"{fn['name']}({params}): {fn['description']}"
+
+
+def tools_system_prompt(schemas: Sequence[dict], preamble: str = "", *, listing: str = "json") -> str:
+    """A system prompt listing ``schemas`` and the call format: ``listing="json"`` writes each
+    schema as JSON inside ``<tools></tools>`` (Hermes layout), ``"brief"`` one line per tool
+    (``name(parameters): description``, for small models with short contexts)."""
+    if listing not in ("json", "brief"):
+        raise ValueError(f"listing: expected 'json' or 'brief', got {listing!r}")
     lines = [preamble.strip()] if preamble.strip() else []
-    lines.append("You may call the following tools. Tool signatures are inside <tools></tools>:")
-    lines.append("<tools>")
-    lines.extend(json.dumps(s) for s in schemas)
-    lines.append("</tools>")
+    if listing == "json":
+        lines.append("You may call the following tools. Tool signatures are inside <tools></tools>:")
+        lines.append("<tools>")
+        lines.extend(json.dumps(s) for s in schemas)
+        lines.append("</tools>")
+    else:
+        lines.append("Tools:")
+        lines.extend(_brief(s) for s in schemas)
     lines.append('To call a tool, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}'
                  "</tool_call>. When you know the answer, reply with the answer only.")
     return "\n".join(lines)
@@ -52,13 +66,14 @@ class ToolEnv:
       success_threshold: reward at or above which the episode counts as a success.
       confirm: confirmation hook of irreversible tools (``None`` refuses them).
       max_turns_terminates: running out of turns terminates (a failure) instead of truncating.
+      tool_listing: ``"json"`` (schemas in the system prompt) or ``"brief"`` (one line each).
       name: the environment's name.
     """
 
     def __init__(self, tools: Iterable[Any], score: Callable[[str, Task], float], *, max_turns: int = 4,
                  system_prompt: Optional[str] = "", success_threshold: float = 1.0,
                  confirm: Optional[Callable[[str, str], bool]] = None, max_turns_terminates: bool = False,
-                 name: str = "tools") -> None:
+                 tool_listing: str = "json", name: str = "tools") -> None:
         built: List[Tool] = [t if isinstance(t, Tool) else function_tool(t) for t in tools]
         if not built:
             raise ValueError("tools: expected at least one tool")
@@ -73,6 +88,8 @@ class ToolEnv:
         self.success_threshold = float(success_threshold)
         self.confirm = confirm
         self.max_turns_terminates = bool(max_turns_terminates)
+        tools_system_prompt([], listing=tool_listing)  # validates the listing
+        self.tool_listing = tool_listing
         self.name = name
         self._task: Optional[Task] = None
         self._turns = 0
@@ -88,7 +105,7 @@ class ToolEnv:
     def reset(self, task: Task) -> List[Message]:
         self._task, self._turns = task, 0
         self.registry.clear_log()
-        listing = tools_system_prompt(self.tool_schemas, self.system_prompt or "")
+        listing = tools_system_prompt(self.tool_schemas, self.system_prompt or "", listing=self.tool_listing)
         if self.system_prompt is None:
             return [{"role": "user", "content": f"{listing}\n\n{task.prompt}"}]
         return [{"role": "system", "content": listing}, {"role": "user", "content": task.prompt}]
