@@ -8,6 +8,7 @@ import types as _types
 
 from ._checks import validation
 from .api import train
+from .api import train as _api_train
 from .types import LossResult
 
 
@@ -15,7 +16,7 @@ class _TrainPackage(_types.ModuleType):
     """The ``trajgrad.train`` package, callable as :func:`trajgrad.api.train`."""
 
     def __call__(self, *args, **kwargs):
-        return train(*args, **kwargs)
+        return _api_train(*args, **kwargs)
 
 
 class _Package(_types.ModuleType):
