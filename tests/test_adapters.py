@@ -242,3 +242,31 @@ def test_openenv_config_errors_and_missing_server():
 def test_openenv_environment_trains_two_steps(tmp_path, openenv_url):
     s = _two_steps(tmp_path, "openenv", {"base_url": openenv_url, "max_turns": 2})
     assert s["steps"] == 2 and s["eval_after"]["n"] == 2
+
+
+class _BadToolSource:
+    """A user's task source whose environment has a tool without type hints."""
+
+    def tasks(self, split, n, seed):
+        return []
+
+    def make_env(self, **kwargs):
+        from trajgrad.envs import ToolEnv
+
+        def peek(x):
+            """No hint on x."""
+
+        return ToolEnv([peek], lambda text, task: 0.0)
+
+    def demonstration(self, task):
+        return []
+
+
+def bad_tool_source():
+    return _BadToolSource()
+
+
+def test_a_tool_schema_that_cannot_be_built_fails_at_config_load():
+    with pytest.raises(ValueError, match=r"^task\.name: building an environment of .* fn: peek, parameter 'x': "
+                                         r"has no type hint"):
+        load_config(preset="tiny", overrides={"task.name": f"{ME}:bad_tool_source", "task.options": {}})

@@ -164,3 +164,31 @@ def test_one_command_dataset_and_rewards_trains(tmp_path):
     assert summary["steps"] == 2 and summary["eval_after"]["n"] == 4
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/mean" in l for l in lines)
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+def untyped(a) -> str:
+    """No hint."""
+
+
+def test_a_tool_dataset_runs_tool_turns_then_scores_the_answer(tmp_path):
+    from trajgrad.envs import format_tool_call
+
+    path = _jsonl(tmp_path / "p.jsonl", ROWS)
+    src = DatasetSource(path=path, reward=f"{ME}:exact", tools=[f"{ME}:add"], max_turns=3)
+    t = src.tasks("train", 1, 0)[0]
+    env = src.make_env()
+    msgs = env.reset(t)
+    assert msgs[0]["role"] == "system" and '"name": "add"' in msgs[0]["content"] and msgs[1]["role"] == "user"
+    n = int(t.metadata["row"]["prompt"].split("+")[0])
+    r = env.step(format_tool_call("add", {"a": n, "b": 1}))
+    assert r.messages == [{"role": "tool", "content": str(n + 1)}] and not r.terminated
+    r = env.step(str(n + 1))
+    assert r.terminated and r.reward == 1.0
+    with pytest.raises(ValueError, match=r"^task\.options\.tools\.0: fn: untyped, parameter 'a': has no type hint"):
+        load_config(preset="tiny", overrides={"task.name": "dataset", "task.options": {
+            "path": path, "reward": f"{ME}:exact", "tools": [f"{ME}:untyped"], "max_turns": 2}})

@@ -277,6 +277,14 @@ def _check_task(cfg, errors: _Errors) -> None:
     source = _build_source(cfg, errors, fields)
     if source is None:
         return
+    if ":" in name:
+        # a user's environment (tools, schemas, adapters) is built once now, not first at run time
+        try:
+            source.make_env()
+        except Exception as exc:
+            errors.add("task.name", f"building an environment of {name!r} failed: {type(exc).__name__}: "
+                       f"{_one_line(exc)}")
+            return
     need = (("train", cfg.task.n_train, "task.n_train"),
             ("heldout", cfg.eval.n or cfg.task.n_heldout, "eval.n" if cfg.eval.n else "task.n_heldout"))
     for split, n, key in need:
