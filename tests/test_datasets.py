@@ -113,6 +113,8 @@ def test_heldout_by_fraction_or_file_and_chat_prompts(tmp_path):
     ({"task.reward": [f"{ME}:exact", f"{ME}:raises"]}, "task.reward.1", ["raised ZeroDivisionError: bad reward"]),
     ({"task.reward": [f"{ME}:not_a_number"]}, "task.reward.0", ["returned ['high']"]),
     ({"task.reward": {f"{ME}:exact": 1.0}, "task.heldout": 1.5}, "task.heldout", ["[0, 1)"]),
+    ({"task.heldout": "/nonexistent/h.jsonl"}, "task.heldout", ["no such file"]),
+    ({"task.reward": {f"{ME}:exact": 1.0, f"{ME}:raises": 0.5}}, f"task.reward[{ME}:raises]", ["raised"]),
 ])
 def test_load_time_errors_name_the_key(tmp_path, sets, key, words):
     base = {"task.dataset": _jsonl(tmp_path / "p.jsonl", ROWS), "task.reward": f"{ME}:exact", "sft.steps": 0}
