@@ -26,7 +26,10 @@ An assistant action ends with the ``<|im_end|>`` token (its EOS).
   whose context is this summary (compaction-aware sub-traces, §19).
 
 Task sources register under a name with :func:`register_task_source` and are built with
-:func:`get_task_source`.
+:func:`get_task_source`. A name of the form ``"package.module:factory"`` is imported
+instead (:func:`resolve_import`); the factory, called with the task's options, returns a
+task source, or an environment of another library that an adapter of
+:mod:`trajgrad.envs.adapters` wraps (gymnasium, ``verifiers``, OpenEnv).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ __all__ = [
     "get_task_source",
     "available_task_sources",
     "extract_tag",
+    "resolve_import",
 ]
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
@@ -133,7 +137,35 @@ _REGISTRY: Dict[str, Callable[..., TaskSource]] = {}
 _BUILTIN_MODULES: Dict[str, str] = {
     "calculator": "trajgrad.envs.calculator",
     "guess": "trajgrad.envs.guess",
+    "dataset": "trajgrad.envs.dataset",
+    "openenv": "trajgrad.envs.adapters.openenv",
 }
+_IMPORT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def resolve_import(spec: str, *, key: str = "name") -> Any:
+    """The object named by ``"package.module:attribute"`` (the attribute may be dotted).
+
+    Raises ``ValueError`` starting with ``key`` for a malformed string, a module that cannot
+    be imported (with the import error) or a missing attribute.
+    """
+    if not isinstance(spec, str) or not _IMPORT.match(spec.strip()):
+        raise ValueError(f"{key}: expected an import string 'package.module:attribute', got {spec!r}")
+    module_name, _, attr = spec.strip().partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{key}: cannot import module {module_name!r} of {spec!r} "
+                         f"({type(exc).__name__}: {exc})") from None
+    except Exception as exc:
+        raise ValueError(f"{key}: importing module {module_name!r} of {spec!r} failed "
+                         f"({type(exc).__name__}: {exc})") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{key}: module {module_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    return obj
 
 
 def register_task_source(name: str) -> Callable[[Callable[..., TaskSource]], Callable[..., TaskSource]]:
@@ -181,13 +213,27 @@ def available_task_sources() -> List[str]:
 
 
 def get_task_source(name: str, **kwargs) -> TaskSource:
-    """Build the task source registered under ``name`` (``"calculator"``, ``"guess"``, ...).
+    """Build the task source registered under ``name`` (``"calculator"``, ``"guess"``, ...),
+    or made by the factory ``name = "package.module:factory"``.
 
     Keyword arguments go to the source's constructor (e.g. ``ops_per_call=1``) and, for
-    the built-ins, become the defaults of the environments made by ``make_env``.
+    the built-ins, become the defaults of the environments made by ``make_env``. For an
+    import string they go to the factory, except ``adapter`` (a dict of the adapter's own
+    options such as ``max_turns``, used when the factory returns another library's
+    environment; see :func:`trajgrad.envs.adapters.as_task_source`).
     """
     if not isinstance(name, str):
         raise ValueError(f"name: expected a string, got {type(name).__name__}")
+    if ":" in name:
+        from .adapters import as_task_source
+
+        adapter = kwargs.pop("adapter", None) or {}
+        if not isinstance(adapter, dict):
+            raise ValueError(f"adapter: expected a mapping of adapter options, got {adapter!r}")
+        factory = resolve_import(name)
+        if not callable(factory):
+            raise ValueError(f"name: {name!r} is a {type(factory).__name__}, not a callable factory")
+        return as_task_source(factory(**kwargs), remake=lambda: factory(**kwargs), **adapter)
     _load_builtin(name)
     factory = _REGISTRY.get(name)
     if factory is None:

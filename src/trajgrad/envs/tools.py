@@ -41,12 +41,15 @@ class Tool:
         result (``"TypeName: message"``), never a crash of the caller.
       description: one line shown to the agent.
       irreversible: if True the call needs a confirmation hook that returns True.
+      schema: the OpenAI function-tool schema of a tool made from a typed Python function
+        (:func:`trajgrad.envs.schema.function_tool`; its argument is then JSON), else None.
     """
 
     name: str
     fn: ToolFn
     description: str
     irreversible: bool = False
+    schema: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -111,6 +114,13 @@ class ToolRegistry:
             for name in self.names
             if keep is None or name in keep
         )
+
+    def schemas(self, allowed: Optional[Iterable[str]] = None) -> List[dict]:
+        """The function-tool schemas of the (allowed) tools that have one, in name order
+        (what a chat template's ``tools=`` takes)."""
+        keep = None if allowed is None else set(allowed)
+        return [self._tools[n].schema for n in self.names
+                if self._tools[n].schema is not None and (keep is None or n in keep)]
 
     def clear_log(self) -> None:
         self.calls.clear()

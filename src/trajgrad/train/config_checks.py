@@ -19,6 +19,7 @@ Both raise ``ValueError("dotted.key: message; other.key: message")`` on one line
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -203,17 +204,87 @@ def _calculator_capacity(source, split: str) -> Optional[int]:
     return count
 
 
-def _check_task(cfg, errors: _Errors) -> None:
-    from ..envs import available_task_sources, get_task_source
+def _check_dataset_keys(cfg, errors: _Errors) -> bool:
+    """task.dataset / task.reward / task.heldout given consistently (False: reported)."""
+    t = cfg.task
+    if t.dataset is None and t.reward is None and t.heldout is None:
+        return True
+    if t.name == "dataset" and t.dataset is not None:
+        for key, field in (("dataset", "path"), ("reward", "reward"), ("heldout", "heldout")):
+            given = getattr(t, key)
+            if given is not None and t.options.get(field) != given:
+                errors.add(f"task.options.{field}", f"differs from task.{key} ({given!r}); give one of them")
+                return False
+        return True
+    if t.dataset is None:
+        if t.name != "dataset":
+            key = "task.reward" if t.reward is not None else "task.heldout"
+            errors.add(key, "needs task.dataset (the prompts it applies to)")
+            return False
+        return True
+    if t.name != "calculator":
+        errors.add("task.dataset", f"takes the prompts of a dataset; it cannot be combined with task.name {t.name!r}")
+    else:
+        errors.add("task.reward", "is required with task.dataset (e.g. 'my_rewards:correct')")
+    return False
+
+
+def _source_error_key(cfg, name: str, head: Optional[str]) -> str:
+    """The dotted key of a task source's error whose message starts with ``head:``."""
+    if head is None:
+        return "task.options"
+    if head in ("name", "adapter") and ":" in name:
+        return "task.name" if head == "name" else "task.options.adapter"
+    first = re.split(r"[.\[]", head)[0]
+    if name == "dataset" and cfg.task.dataset is not None and first in ("path", "reward", "heldout"):
+        return "task." + {"path": "dataset"}.get(first, first) + head[len(first):]
+    return f"task.options.{head}"
+
+
+_HEAD = re.compile(r"^([A-Za-z_]\w*(?:\.\w+|\[[^\]]*\])*):\s*(.*)$", re.DOTALL)
+
+
+def _build_source(cfg, errors: _Errors, fields: Dict[str, Any]):
+    from ..envs import get_task_source
 
     name, options = cfg.task.name, cfg.task.options
-    if name not in available_task_sources():
-        errors.add("task.name", f"unknown task source {name!r}; available: {', '.join(available_task_sources())}")
-        return
     try:
-        fields = _option_fields(get_task_source(name))
-    except Exception:  # a source that needs options: validate by construction only
-        fields = {}
+        return get_task_source(name, **options)
+    except TypeError as exc:
+        errors.add("task.options", _one_line(exc))
+    except ValueError as exc:
+        m = _HEAD.match(str(exc))
+        head, rest = (m.group(1), m.group(2)) if m else (None, str(exc))
+        if head is not None and not (re.split(r"[.\[]", head)[0] in set(fields) | set(options) | {"name", "adapter", "reward",
+                                                                                         "path", "heldout", "tools"}):
+            head, rest = None, str(exc)
+        errors.add(_source_error_key(cfg, name, head), _one_line(rest))
+    except Exception as exc:  # a user's factory failing in its own way
+        errors.add("task.name", f"building task {name!r} raised {type(exc).__name__}: {_one_line(exc)}")
+    return None
+
+
+def _check_task(cfg, errors: _Errors) -> None:
+    from ..envs import available_task_sources, get_task_source
+    from ..envs.base import _REGISTRY
+
+    if not _check_dataset_keys(cfg, errors):
+        return
+    name, options = cfg.task.name, cfg.task.options
+    fields: Dict[str, Any] = {}
+    if ":" not in name:
+        if name not in available_task_sources():
+            errors.add("task.name", f"unknown task source {name!r}; available: {', '.join(available_task_sources())}; "
+                       "or 'package.module:factory'")
+            return
+        options_class = getattr(_REGISTRY.get(name), "options_class", None)  # sources that need options
+        if options_class is not None:
+            fields = typing.get_type_hints(options_class)
+        else:
+            try:
+                fields = _option_fields(get_task_source(name))
+            except Exception:  # a source that needs options: validate by construction only
+                fields = {}
     if fields:
         bad = False
         for key, value in options.items():
@@ -227,15 +298,17 @@ def _check_task(cfg, errors: _Errors) -> None:
                 bad = True
         if bad:
             return
-    try:
-        source = get_task_source(name, **options)
-    except TypeError as exc:
-        errors.add("task.options", _one_line(exc))
+    source = _build_source(cfg, errors, fields)
+    if source is None:
         return
-    except ValueError as exc:
-        field, rest = _split_field_message(exc, fields or options)
-        errors.add(f"task.options.{field}" if field else "task.options", _one_line(rest))
-        return
+    if ":" in name:
+        # a user's environment (tools, schemas, adapters) is built once now, not first at run time
+        try:
+            source.make_env()
+        except Exception as exc:
+            errors.add("task.name", f"building an environment of {name!r} failed: {type(exc).__name__}: "
+                       f"{_one_line(exc)}")
+            return
     need = (("train", cfg.task.n_train, "task.n_train"),
             ("heldout", cfg.eval.n or cfg.task.n_heldout, "eval.n" if cfg.eval.n else "task.n_heldout"))
     for split, n, key in need:
