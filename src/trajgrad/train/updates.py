@@ -35,6 +35,7 @@ from ..rollout import RolloutBatch
 from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
+from . import fsdp
 
 
 @dataclass
@@ -81,9 +82,10 @@ def global_denominator(masks, mode: str, constant=None) -> torch.Tensor:
 
 
 def finish_step(params, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]) -> Optional[float]:
-    """Sum gradients over ranks, clip (returns the pre-clip norm), step."""
-    dist_lib.sync_gradients_sum(params)
-    gn = float(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if grad_clip else None
+    """Sum gradients over ranks, clip (returns the pre-clip norm), step. FSDP-sharded
+    parameters arrive summed by their reduce-scatter (:mod:`trajgrad.train.fsdp`)."""
+    fsdp.sync_gradients(params)
+    gn = fsdp.clip_grad_norm(params, grad_clip) if grad_clip else None
     optimizer.step()
     return gn
 
