@@ -312,3 +312,28 @@ def test_single_process_is_unchanged_and_lora_refused():
     lora = get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="^dist.fsdp"):
         fsdp.shard_model(lora)
+
+
+def test_config_key_dist_fsdp():
+    from trajgrad.train.config import load_config
+
+    cfg = load_config(preset="tiny", overrides={"dist.fsdp": True})  # tiny: full fine-tuning
+    assert cfg.dist.fsdp is True and cfg.model.lora is None
+    assert load_config(preset="tiny").dist.fsdp is False
+    with pytest.raises(ValueError, match=r"^dist\.fsdp: shards full fine-tuning; set model\.lora: null"):
+        load_config(preset="default", overrides={"dist.fsdp": True})  # LoRA
+    with pytest.raises(ValueError, match=r"^dist\.fsdp"):
+        load_config(preset="tiny", overrides={"dist.fsdp": "yes"})
+    with pytest.raises(ValueError, match=r"^dist\.sharding: unknown key"):
+        load_config(preset="tiny", overrides={"dist.sharding": True})
+
+
+def test_build_learner_shards_only_when_asked():
+    """Single process: ``dist.fsdp`` leaves the model as built (sharding needs a process group)."""
+    from trajgrad.train import fsdp
+    from trajgrad.train.config import load_config
+    from trajgrad.train.setup import build_learner
+
+    cfg = load_config(preset="tiny", overrides={"dist.fsdp": True, "model.tiny.hidden_size": 16, "model.tiny.heads": 2})
+    st, _ = build_learner(cfg, cfg.objective())
+    assert not fsdp.is_fsdp_model(st.model)
