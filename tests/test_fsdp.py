@@ -69,10 +69,10 @@ def _data():
     shared = torch.randint(3, vocab, (20,), generator=g)
     for i, n in enumerate(LENGTHS):
         ids[i, :n] = torch.randint(3, vocab, (n,), generator=g)
-        if i in (2 + 2, 2 + 4):  # two rows of rank 1 share a 20-token prompt
+        if i in (5, 6):  # two rows of rank 1 share a 20-token prompt (one micro-batch)
             ids[i, :20] = shared
         att[i, :n] = 1
-        prompt = 20 if i in (4, 6) else int(torch.randint(2, 6, (1,), generator=g))
+        prompt = 20 if i in (5, 6) else int(torch.randint(2, 6, (1,), generator=g))
         act[i, prompt - 1 : n - 1] = True
     adv = torch.randn(len(LENGTHS), T - 1, generator=g, dtype=torch.float64)
     adv = torch.where(act, adv, torch.tensor(float("nan"), dtype=torch.float64))
@@ -86,7 +86,7 @@ def _update(model, batch, adv, mode, *, grad_clip=None):
 
     obj = get_recipe("reinforce").replace(aggregation=mode)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    st = LearnerState(objective=obj, model=model, optimizer=opt, micro_batch_size=8, temperature=1.0,
+    st = LearnerState(objective=obj, model=model, optimizer=opt, micro_batch_size=3, temperature=1.0,
                       top_k=None, top_p=None, grad_clip=grad_clip)
     return policy_update(st, batch, adv, None, None)
 
@@ -143,6 +143,14 @@ def _worker(rank: int, port: int, ckpt_dir: str, q) -> None:
         other = fsdp.shard_model(_model())
         fsdp.load_full_state_dict(other, fsdp.full_state_dict(model))
         res["reloaded_equal"] = all(torch.equal(a, b) for a, b in zip(_params(model).values(), _params(other).values()))
+        from trajgrad.train.updates import micro_batches
+
+        res["plan"] = micro_batches(2 if rank == 0 else 5, 3)
+        try:
+            fsdp.micro_batch_plan(1 if rank == 0 else 5, 2)
+            res["plan_error"] = "no error"
+        except ValueError as exc:
+            res["plan_error"] = str(exc)
         D.barrier()
         q.put(("ok", rank, res))
         D.cleanup()
@@ -337,3 +345,9 @@ def test_build_learner_shards_only_when_asked():
     cfg = load_config(preset="tiny", overrides={"dist.fsdp": True, "model.tiny.hidden_size": 16, "model.tiny.heads": 2})
     st, _ = build_learner(cfg, cfg.objective())
     assert not fsdp.is_fsdp_model(st.model)
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches(job):
+    assert job[0]["plan"] == [[0], [1]] and job[1]["plan"] == [[0, 1, 2], [3, 4]]
+    for rank in range(WORLD):  # rank 0 cannot fill 3 micro-batches with 1 row: refused on both
+        assert job[rank]["plan_error"].startswith("train.micro_batch_size: under dist.fsdp every rank runs 3")

@@ -25,6 +25,9 @@ Checkpoints: :func:`full_state_dict` gathers the full (unsharded) tensors on eve
 (a collective: every rank calls it), so rank 0 writes an ordinary checkpoint that a single
 process loads; :func:`load_full_state_dict` puts such a state back into a sharded model.
 
+Every rank runs the same number of micro-batches (:func:`micro_batch_plan`): FSDP's
+collectives run in every forward and backward pass.
+
 LoRA keeps replicated adapters with summed gradients (no FSDP): the adapters are small and
 the frozen base holds no gradient or optimizer state.
 """
@@ -42,6 +45,8 @@ __all__ = [
     "is_fsdp_model",
     "decoder_layers",
     "shard_model",
+    "active",
+    "micro_batch_plan",
     "sync_gradients",
     "clip_grad_norm",
     "full_state_dict",
@@ -87,6 +92,33 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
     return list(layers)
 
 
+_SHARDED = [False]  # whether this process sharded a model (micro-batch counts must then agree)
+
+
+def active() -> bool:
+    """True once :func:`shard_model` sharded a model in this (distributed) process."""
+    return _SHARDED[0] and dist_lib.is_distributed()
+
+
+def micro_batch_plan(n: int, size: int) -> List[List[int]]:
+    r"""Row indices of this rank's micro-batches when every rank must run the *same number*
+    of forward/backward passes (FSDP all-gathers a layer in every forward and reduce-scatters
+    its gradient in every backward: a rank with one micro-batch fewer would leave the others
+    waiting). The count is :math:`K=\max_r\lceil n_r/	ext{size}ceil`; each rank splits its
+    :math:`n_r` rows into :math:`K` consecutive blocks (sizes differ by at most one, none
+    larger than ``size``). The global denominators make the result independent of the split.
+
+    Raises:
+      ValueError: on every rank, when some rank holds fewer than :math:`K` rows (it would
+        need an empty micro-batch); names ``train.micro_batch_size``.
+    """
+    k = -dist_lib.min_over_ranks(-((n + size - 1) // size))
+    if dist_lib.min_over_ranks(n - k) < 0:
+        raise ValueError(f"train.micro_batch_size: under dist.fsdp every rank runs {k} micro-batches this step, "
+                         f"but a rank holds fewer than {k} rows; raise train.micro_batch_size")
+    return [p for p in (dist_lib.shard(list(range(n)), i, k) for i in range(k)) if p]
+
+
 def shard_model(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
     """Shard every decoder layer of ``model`` over the default process group, in place.
 
@@ -106,6 +138,7 @@ def shard_model(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.M
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
         layer.set_gradient_divide_factor(1.0)
+    _SHARDED[0] = True
     return model
 
 

@@ -68,7 +68,10 @@ class LearnerState:
 
 # ---------------------------------------------------------------------- shared pieces
 def micro_batches(n: int, size: int) -> List[List[int]]:
-    """Row indices of consecutive micro-batches of at most ``size`` rows."""
+    """Row indices of consecutive micro-batches of at most ``size`` rows (under FSDP, the same
+    number on every rank: :func:`trajgrad.train.fsdp.micro_batch_plan`)."""
+    if fsdp.active():
+        return fsdp.micro_batch_plan(n, size)
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
