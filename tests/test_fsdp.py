@@ -127,6 +127,19 @@ def _worker(rank: int, port: int, ckpt_dir: str, q) -> None:
         m = _update(model, mine, mine_adv, "token_mean", grad_clip=1e-3)
         res["grad_norm"] = m["grad_norm"]
         res["after"]["clipped"] = {k: v.tolist() for k, v in _params(model).items()}
+        # sampling-like forwards inside gathered(): a different count on each rank, no collective
+        model = fsdp.shard_model(_model())
+        with torch.no_grad():
+            from trajgrad.model.learner import learner_logprobs
+
+            first = learner_logprobs(model, mine.input_ids, mine.attention_mask, mine.action_mask).logp
+            with fsdp.gathered(model):
+                for _ in range(1 + 3 * rank):  # rank 0: 1 pass, rank 1: 4 passes
+                    again = learner_logprobs(model, mine.input_ids, mine.attention_mask, mine.action_mask).logp
+        res["gathered_same"] = bool(torch.equal(first, again))
+        res["gathered_resharded"] = all(fsdp.is_sharded(p) for p in model.model.layers.parameters())
+        m = _update(model, mine, mine_adv, "token_mean")  # training still matches afterwards
+        res["after"]["after_gathered"] = {k: v.tolist() for k, v in _params(model).items()}
         # negative control: FSDP's default averaging over ranks
         model = fsdp.shard_model(_model())
         for mod in fsdp._fsdp_modules(model):
@@ -351,3 +364,12 @@ def test_every_rank_runs_the_same_number_of_micro_batches(job):
     assert job[0]["plan"] == [[0], [1]] and job[1]["plan"] == [[0, 1, 2], [3, 4]]
     for rank in range(WORLD):  # rank 0 cannot fill 3 micro-batches with 1 row: refused on both
         assert job[rank]["plan_error"].startswith("train.micro_batch_size: under dist.fsdp every rank runs 3")
+
+
+def test_gathered_forwards_need_no_collective(job):
+    """Ranks run 1 and 4 forwards inside gathered() without hanging; the values are those of
+    the sharded forward, the layers are sharded again afterwards, and a step still matches."""
+    after, _ = _single("token_mean")
+    for rank in range(WORLD):
+        assert job[rank]["gathered_same"] and job[rank]["gathered_resharded"]
+        assert _close(after, job[rank]["after"]["after_gathered"], 1e-6) < 1e-6

@@ -33,7 +33,8 @@ the frozen base holds no gradient or optimizer state.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping
+import contextlib
+from typing import Dict, Iterable, Iterator, List, Mapping
 
 import torch
 from torch import nn
@@ -52,6 +53,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "full_state_module",
+    "gathered",
 ]
 
 
@@ -104,7 +106,8 @@ def micro_batch_plan(n: int, size: int) -> List[List[int]]:
     r"""Row indices of this rank's micro-batches when every rank must run the *same number*
     of forward/backward passes (FSDP all-gathers a layer in every forward and reduce-scatters
     its gradient in every backward: a rank with one micro-batch fewer would leave the others
-    waiting). The count is :math:`K=\max_r\lceil n_r/	ext{size}ceil`; each rank splits its
+    waiting). The count is :math:`K=\max_r\lceil n_r/	ext{size}
+ceil`; each rank splits its
     :math:`n_r` rows into :math:`K` consecutive blocks (sizes differ by at most one, none
     larger than ``size``). The global denominators make the result independent of the split.
 
@@ -245,3 +248,25 @@ def full_state_module(model: nn.Module) -> nn.Module:
     tensors = {n: (p.full_tensor() if is_sharded(p) else p).detach().to("cpu", copy=True)
                for n, p in model.named_parameters()}
     return _FullState(tensors, trainable)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Hold every sharded layer of ``model`` unsharded inside the block, resharded on exit.
+
+    Sampling runs a different number of forward passes on each rank (episodes end at
+    different lengths; only rank 0 evaluates), while a sharded layer all-gathers in every
+    forward: inside this block forwards issue no collective, so ranks may sample freely.
+    Entering and leaving are collectives (every rank enters, e.g. around the rollout and
+    the evaluation). A no-op for a model that is not sharded. Not for backward passes.
+    """
+    mods = _fsdp_modules(model)
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
