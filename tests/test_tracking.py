@@ -200,3 +200,25 @@ def test_tensorboard_backend_turns_tensorboard_on(tmp_path):
         log.log(1, {"loss": 1.0})
         assert log._tb is not None and log.sinks == []
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+
+
+def test_trackers_are_finished_at_exit_without_close(tmp_path):
+    """A run that never calls close() (a crash, a missing close) still finishes its MLflow run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        from trajgrad.train.config import load_config
+        from trajgrad.train.metrics import MetricsLogger
+        cfg = load_config(preset="tiny", overrides={{"log.backends": ["mlflow"], "log.project": "atexit"}})
+        log = MetricsLogger.for_config({str(tmp_path)!r}, cfg)
+        log.log(1, {{"loss": 0.5}})
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("atexit").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 0.5, "wall_time": run.data.metrics["wall_time"]}

@@ -25,6 +25,7 @@ disk, and a sink that fails is disabled with a warning while the JSONL log goes 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -173,6 +174,8 @@ class MetricsLogger:
         self._fh = open(self.path, "ab")
 
         self._sinks = list(sinks)
+        if self._sinks:  # trackers finish their runs (flush, mark them ended) even if close() is never called
+            atexit.register(self.close)
         self._tb = None
         if tensorboard:
             try:
@@ -277,6 +280,8 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._sinks:
+            atexit.unregister(self.close)
         for sink in self._sinks:
             sink.close()
         self._sinks = []

@@ -104,7 +104,13 @@ class WandbSink(Sink):
         self.run.log({**values, "trainer/step": step})
 
     def _close(self):
+        import wandb
+
         self.run.finish()
+        if wandb.run is None:
+            # finish() returns before the service has written the offline file; shutting the
+            # (now idle) service down waits for it, so the run is on disk when close() returns
+            wandb.teardown()
 
 
 class MLflowSink(Sink):
