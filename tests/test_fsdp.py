@@ -140,6 +140,10 @@ def _worker(rank: int, port: int, ckpt_dir: str, q) -> None:
         res["gathered_resharded"] = all(fsdp.is_sharded(p) for p in model.model.layers.parameters())
         m = _update(model, mine, mine_adv, "token_mean")  # training still matches afterwards
         res["after"]["after_gathered"] = {k: v.tolist() for k, v in _params(model).items()}
+        # float32 (the trainer's usual dtype): the summed reduce-scatter runs on gloo too
+        model = fsdp.shard_model(_model().float())
+        _update(model, mine, mine_adv, "token_mean")
+        res["after"]["float32"] = {k: v.tolist() for k, v in _params(model).items()}
         # negative control: FSDP's default averaging over ranks
         model = fsdp.shard_model(_model())
         for mod in fsdp._fsdp_modules(model):
@@ -373,3 +377,12 @@ def test_gathered_forwards_need_no_collective(job):
     for rank in range(WORLD):
         assert job[rank]["gathered_same"] and job[rank]["gathered_resharded"]
         assert _close(after, job[rank]["after"]["after_gathered"], 1e-6) < 1e-6
+
+
+def test_float32_step_matches(job):
+    batch, adv = _data()
+    model = _model().float()
+    _update(model, batch, adv, "token_mean")
+    after = {k: v.detach().double() for k, v in model.named_parameters()}
+    for rank in range(WORLD):
+        assert _close(after, job[rank]["after"]["float32"], 1e-5) < 1e-5

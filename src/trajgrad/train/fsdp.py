@@ -141,6 +141,8 @@ def shard_model(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.M
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
         layer.set_gradient_divide_factor(1.0)
+        # plain SUM collectives (a custom factor may otherwise use PREMUL_SUM, which gloo lacks)
+        layer.set_force_sum_reduction_for_comms(True)
     _SHARDED[0] = True
     return model
 
