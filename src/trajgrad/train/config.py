@@ -210,6 +210,18 @@ class LogConfig(_Strict):
                             "correction masks, log-probs, entropy) for `trajgrad view`; docs/view.md")
     token_log_max_mb: float = Field(64.0, gt=0, le=1_000_000, description="tokens.jsonl stops growing at this size "
                                     "(a last line marks the step it stopped at)")
+    # experiment trackers next to metrics.jsonl (the source of truth); see trajgrad.train.tracking
+    backends: List[Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        ["jsonl"], description="metric sinks; jsonl is always written. wandb runs offline (WANDB_MODE=offline), "
+        "mlflow logs to run_dir/mlruns, trackio to run_dir/trackio")
+    project: str = Field("trajgrad", min_length=1, description="project / experiment name in wandb, mlflow, trackio")
+
+
+class DistConfig(_Strict):
+    """Learners under ``torchrun`` (see trajgrad.train.fsdp)."""
+
+    fsdp: bool = Field(False, description="shard the decoder layers of a fully fine-tuned policy with FSDP2 "
+                       "(needs model.lora: null); LoRA adapters stay replicated with summed gradients")
 
 
 class Config(_Strict):
@@ -230,6 +242,7 @@ class Config(_Strict):
     asynchronous: AsyncConfig = AsyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    dist: DistConfig = DistConfig()
 
     def objective(self) -> Objective:
         """The recipe with the config's overrides (group size from ``train.group_size``)."""

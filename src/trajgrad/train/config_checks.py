@@ -329,12 +329,28 @@ def _check_task(cfg, errors: _Errors) -> None:
             errors.add(key, _one_line(rest))
 
 
+def _check_log_dist(cfg, errors: _Errors) -> None:
+    from .tracking import missing_backends
+
+    if len(set(cfg.log.backends)) != len(cfg.log.backends):
+        errors.add("log.backends", f"lists a backend twice (got {cfg.log.backends!r})")
+    for name, package in missing_backends(cfg.log.backends):
+        errors.add("log.backends", f"{name!r} needs the {package!r} package, which is not installed "
+                   f"(pip install {package}, or remove {name!r} from log.backends)")
+    if cfg.dist.fsdp and cfg.model.lora is not None:
+        errors.add("dist.fsdp", "shards full fine-tuning; set model.lora: null (LoRA adapters stay replicated)")
+    elif cfg.dist.fsdp:
+        errors.add("dist.fsdp", "the trainer does not run under FSDP yet (sampling, evaluation and checkpoints are "
+                   "not sharding-aware); trajgrad.train.fsdp shards a model and its update step for your own loop")
+
+
 def check_config(cfg) -> None:
     """Raise ValueError (every problem, each with its dotted key, on one line)."""
     errors = _Errors()
     obj = _check_recipe(cfg, errors)
     _check_models(cfg, obj, errors)
     _check_task(cfg, errors)
+    _check_log_dist(cfg, errors)
     if cfg.eval.during_n is not None and cfg.eval.during_n > (cfg.eval.n or cfg.task.n_heldout):
         errors.add("eval.during_n", f"is more than the {cfg.eval.n or cfg.task.n_heldout} held-out tasks evaluated")
     errors.raise_if_any()

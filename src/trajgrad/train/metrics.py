@@ -1,4 +1,4 @@
-"""Crash-safe metrics log: one JSON object per line, mirrored to TensorBoard.
+"""Crash-safe metrics log: one JSON object per line, mirrored to TensorBoard and trackers.
 
 ``run_dir/metrics.jsonl`` holds one record per :meth:`MetricsLogger.log` call::
 
@@ -17,15 +17,21 @@ back as ``resume_offset`` and the file is cut to exactly what the checkpoint had
 dropping the lines of the steps that will be replayed (and a torn last line).
 
 One process writes a given ``run_dir`` (rank 0 in a distributed run).
+
+The JSONL file is the source of truth. TensorBoard and the experiment trackers of
+``log.backends`` (Weights & Biases offline, MLflow's local file store, trackio;
+:mod:`trajgrad.train.tracking`) are sinks: each record goes to them after its line is on
+disk, and a sink that fails is disabled with a warning while the JSONL log goes on.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -125,11 +131,14 @@ class MetricsLogger:
         appending (the :attr:`offset` stored in the checkpoint being resumed). When None,
         only a torn last line is removed. TensorBoard events at steps after the last kept
         record are purged.
+      sinks: experiment trackers (:class:`trajgrad.train.tracking.Sink`), each given every
+        record after it is written; see :meth:`for_config`.
 
     Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, run_dir, *, tensorboard: bool = True, resume_offset: Optional[int] = None):
+    def __init__(self, run_dir, *, tensorboard: bool = True, resume_offset: Optional[int] = None,
+                 sinks: Sequence[Any] = ()):
         if not isinstance(run_dir, (str, os.PathLike)):
             raise ValueError(f"run_dir: expected a path, got {type(run_dir).__name__}")
         if resume_offset is not None and (
@@ -164,6 +173,9 @@ class MetricsLogger:
         self._t0 = time.monotonic()
         self._fh = open(self.path, "ab")
 
+        self._sinks = list(sinks)
+        if self._sinks:  # trackers finish their runs (flush, mark them ended) even if close() is never called
+            atexit.register(self.close)
         self._tb = None
         if tensorboard:
             try:
@@ -186,6 +198,24 @@ class MetricsLogger:
     def wall_time(self) -> float:
         """Seconds of logging so far, continued across resumes."""
         return self._wall_base + (time.monotonic() - self._t0)
+
+    @property
+    def sinks(self) -> List[Any]:
+        """The experiment-tracker sinks (:mod:`trajgrad.train.tracking`); each has ``.error``."""
+        return list(self._sinks)
+
+    @classmethod
+    def for_config(cls, run_dir, cfg, *, resume_offset: Optional[int] = None) -> "MetricsLogger":
+        """The logger of a run with :class:`~trajgrad.train.config.Config` ``cfg``: TensorBoard
+        when ``log.tensorboard`` or ``"tensorboard"`` in ``log.backends``, and a sink for each
+        of wandb / mlflow / trackio in ``log.backends`` (offline, under ``run_dir``)."""
+        from .tracking import build_sinks
+
+        log = cfg.log
+        sinks = build_sinks(log.backends, run_dir, project=log.project, run_name=cfg.name,
+                            config=cfg.model_dump(mode="json"))
+        return cls(run_dir, tensorboard=log.tensorboard or "tensorboard" in log.backends,
+                   resume_offset=resume_offset, sinks=sinks)
 
     @property
     def closed(self) -> bool:
@@ -229,6 +259,8 @@ class MetricsLogger:
                 if key in RESERVED_KEYS or isinstance(value, str) or value is None:
                     continue
                 self._tb.add_scalar(self._tag(kind, key), float(value), global_step=int(step), walltime=now)
+        for sink in self._sinks:  # after the JSONL line is on disk; a failing sink disables itself
+            sink.log(int(step), record, kind)
         return record
 
     @staticmethod
@@ -248,6 +280,11 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._sinks:
+            atexit.unregister(self.close)
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> "MetricsLogger":
         return self

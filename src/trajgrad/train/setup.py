@@ -36,6 +36,10 @@ def build_learner(cfg: Config, objective: Objective):
     critic recipe, the token-wise value head with its own optimizer. The teacher of
     distillation is attached afterwards (:func:`build_teacher` needs the SFT step)."""
     model, tokenizer = build_policy_model(cfg.model)
+    if cfg.dist.fsdp:  # before the optimizer: it must hold the sharded parameters
+        from .fsdp import shard_model
+
+        model = shard_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)

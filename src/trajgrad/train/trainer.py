@@ -88,7 +88,7 @@ class Trainer:
         self.dpo_pairs: Optional[List[Tuple[Trajectory, Trajectory]]] = None
         self.eval_before: Optional[EvalResult] = None
         metrics_offset = self._restore() if resume else None
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, resume_offset=metrics_offset) \
+        self.metrics = MetricsLogger.for_config(self.run_dir, cfg, resume_offset=metrics_offset) \
             if self.is_main else _NullLogger()
         if self.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2, default=str))
@@ -391,6 +391,7 @@ class Trainer:
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         self.traj_log.close()
+        self.metrics.close()  # the tracking sinks (wandb, mlflow, trackio) finish their runs
         dist_lib.barrier()
         return summary
 

@@ -35,7 +35,7 @@ from ..rollout import RolloutBatch
 from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
-from . import tokenlog
+from . import fsdp, tokenlog
 
 
 @dataclass
@@ -68,7 +68,10 @@ class LearnerState:
 
 # ---------------------------------------------------------------------- shared pieces
 def micro_batches(n: int, size: int) -> List[List[int]]:
-    """Row indices of consecutive micro-batches of at most ``size`` rows."""
+    """Row indices of consecutive micro-batches of at most ``size`` rows (under FSDP, the same
+    number on every rank: :func:`trajgrad.train.fsdp.micro_batch_plan`)."""
+    if fsdp.active():
+        return fsdp.micro_batch_plan(n, size)
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
@@ -82,9 +85,10 @@ def global_denominator(masks, mode: str, constant=None) -> torch.Tensor:
 
 
 def finish_step(params, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]) -> Optional[float]:
-    """Sum gradients over ranks, clip (returns the pre-clip norm), step."""
-    dist_lib.sync_gradients_sum(params)
-    gn = float(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if grad_clip else None
+    """Sum gradients over ranks, clip (returns the pre-clip norm), step. FSDP-sharded
+    parameters arrive summed by their reduce-scatter (:mod:`trajgrad.train.fsdp`)."""
+    fsdp.sync_gradients(params)
+    gn = fsdp.clip_grad_norm(params, grad_clip) if grad_clip else None
     optimizer.step()
     return gn
 
