@@ -499,6 +499,7 @@ def load_config(
         keys += user_keys(loaded)
         named = "name" in loaded
         recipe_before = (data.get("recipe") or {}).get("name")
+        data = _fresh_task_options(data, loaded.get("task"))
         data = _deep_update(data, loaded)
         if not named:
             data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
@@ -506,6 +507,8 @@ def load_config(
     # (`--set recipe.name=ppo`, or in the YAML file) renames the run unless a name was given
     recipe_before = (data.get("recipe") or {}).get("name")
     for key, value in (overrides or {}).items():
+        if key == "task.name" and value != (data.get("task") or {}).get("name") and "task.options" not in (overrides or {}):
+            data = _fresh_task_options(data, {"name": value})
         _set_dotted(data, key, value)
         keys += user_keys(value, key)
     if not named and "name" not in (overrides or {}):
@@ -513,6 +516,16 @@ def load_config(
     cfg = build_config(data)
     check_effective(cfg, keys)
     return cfg
+
+
+def _fresh_task_options(data, task_update):
+    """A different task starts from its own defaults: the base's ``task.options`` belonged to the
+    base's task (a preset's calculator options mean nothing to ``my_pkg:make``)."""
+    if isinstance(task_update, dict) and "name" in task_update and "options" not in task_update:
+        task = data.get("task") or {}
+        if task.get("name") != task_update["name"] and task.get("options"):
+            data = dict(data, task=dict(task, options={}))
+    return data
 
 
 def _renamed(name, recipe_before, recipe_after):
