@@ -47,7 +47,8 @@ from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, token_rewards, turn_rewards
-from .seeding import seed_everything, step_seed
+from .rundir import record_determinism
+from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 
 __all__ = ["Trainer", "EvalResult", "seed_everything"]
@@ -67,6 +68,10 @@ class Trainer:
         self.objective: Objective = cfg.objective()
         self.resume = resume
         seed_everything(cfg.train.seed)
+        self.determinism = determinism_settings()
+        self.console(format_determinism(self.determinism))
+        if self.is_main:
+            record_determinism(self.run_dir, self.determinism)
 
         self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg)
         self.learner, self.tokenizer = build_learner(cfg, self.objective)
