@@ -33,6 +33,7 @@ then the messages the step returned (same ``episode_id``).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import uuid
@@ -244,7 +245,9 @@ class EpisodeRunner:
         else:
             generator.seed()
         sampling = dict(self.sampling_params(), seed=seed)
-        run = uuid.uuid4().hex[:10]
+        # the episodes' id suffix: a function of the seed for a seeded call (the same seed gives
+        # the same trajectories, ids included; the trainer's calls each have their own seed), random otherwise
+        run = hashlib.sha256(f"seed:{int(seed)}".encode()).hexdigest()[:10] if seed is not None else uuid.uuid4().hex[:10]
 
         episodes: List[_Episode] = []
         encoded: Dict[Tuple[Tuple[str, str], ...], List[int]] = {}  # a group's members share a prompt
