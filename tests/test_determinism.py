@@ -90,6 +90,7 @@ def _heldout(run):
     return s["eval_after"]
 
 
+@pytest.mark.slow  # about 80 s on a loaded two-core machine
 def test_same_seed_same_run_with_two_threads(tmp_path, two_threads):
     sets = [a for s in _SETS for a in ("--set", s)]
     a, b = tmp_path / "a", tmp_path / "b"
