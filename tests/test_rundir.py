@@ -104,7 +104,7 @@ def _config_data():
         "sampling": {"temperature": 1.0, "max_new_tokens": 8},
         "recipe": {"name": "grpo"},
         "train": {"steps": STEPS, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4},
-        "sft": {"steps": 2, "batch_size": 4},
+        "sft": {"steps": 3, "batch_size": 4},  # checkpointed after SFT steps 1 and 2
         "eval": {"before": False, "after": True, "every": 0},
         "checkpoint": {"every": 1, "keep": 2},
         "log": {"tensorboard": False, "progress": False},
@@ -202,7 +202,11 @@ def _copy(env, killed, name):
 # ------------------------------------------------------------------ kills: resume gives the same run
 
 
-@pytest.mark.parametrize("mode,at", [("step", 3), ("torn", 2), ("ckpt", 5), ("eval_after", 1)])
+# ("ckpt", 5): inside the second SFT checkpoint (each SFT checkpoint writes the RL and SFT
+# optimizers and the RNG state); ("ckpt", 10): inside step 1's checkpoint, after the RL one
+# of step 0; ("sft", 2) / ("sft", 3): during SFT steps 2 / 3, resumed from the SFT checkpoint
+@pytest.mark.parametrize("mode,at", [("step", 3), ("torn", 2), ("ckpt", 5), ("ckpt", 10), ("eval_after", 1),
+                                     ("sft", 2), ("sft", 3)])
 def test_kill_then_resume_is_identical(env, mode, at):
     run = _fresh(env, f"kill-{mode}")
     _kill(env, run, mode, at)
@@ -211,9 +215,9 @@ def test_kill_then_resume_is_identical(env, mode, at):
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # leftovers swept
 
 
-def test_kill_during_sft_then_restart(env):
+def test_kill_before_the_first_sft_checkpoint_then_restart(env):
     run = _fresh(env, "kill-sft")
-    _kill(env, run, "sft", 2)
+    _kill(env, run, "sft", 1)
     before = _files(run)
     _error(["train", "--resume", str(run)], "no checkpoint", "--overwrite")
     _error(["train", str(env["cfg"]), "--run-dir", str(run)], "run_dir", "--resume", "--overwrite")

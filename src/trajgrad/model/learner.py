@@ -89,12 +89,17 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
                          position_ids=pos[reps, :P], use_cache=True, **{kw: DynamicCache()})
         cache = output_cache(first)
         one = reps.numel() == 1
-        for layer in cache.layers:  # each group's prefix, read by its rows (the grad sums them)
-            layer.keys = layer.keys.expand(B, -1, -1, -1) if one else layer.keys[idx]
-            layer.values = layer.values.expand(B, -1, -1, -1) if one else layer.values[idx]
+        # each group's prefix, read by its rows (the grad sums them). index_select, not
+        # advanced indexing: the backward of x[idx] is index_put_(accumulate=True), which on a CPU
+        # with more than one thread adds rows with atomic float adds in the order the threads
+        # reach them (gradients differed in the last bits from run to run); index_select's
+        # backward (index_add_) adds the rows one index after another, the same sum every time
+        for layer in cache.layers:
+            layer.keys = layer.keys.expand(B, -1, -1, -1) if one else layer.keys.index_select(0, idx)
+            layer.values = layer.values.expand(B, -1, -1, -1) if one else layer.values.index_select(0, idx)
         rest = backbone(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
                         use_cache=True, **{kw: cache})
-        head_h = first.last_hidden_state.expand(B, -1, -1) if one else first.last_hidden_state[idx]
+        head_h = first.last_hidden_state.expand(B, -1, -1) if one else first.last_hidden_state.index_select(0, idx)
         full = torch.cat([head_h, rest.last_hidden_state], dim=1)
     else:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)

@@ -43,6 +43,7 @@ then the messages the step returned (same ``episode_id``).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -275,7 +276,9 @@ class EpisodeRunner:
         else:
             generator.seed()
         sampling = dict(self.sampling_params(), seed=seed)
-        run = uuid.uuid4().hex[:10]
+        # the episodes' id suffix: a function of the seed for a seeded call (the same seed gives
+        # the same trajectories, ids included; the trainer's calls each have their own seed), random otherwise
+        run = hashlib.sha256(f"seed:{int(seed)}".encode()).hexdigest()[:10] if seed is not None else uuid.uuid4().hex[:10]
 
         episodes: List[_Episode] = []
         encoded: Dict[Any, ChatSession] = {}  # a group's members share a prompt

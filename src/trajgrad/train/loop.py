@@ -27,24 +27,41 @@ def progress_bar(trainer, total: int, desc: str, initial: int = 0):
     return tqdm(total=total, initial=initial, desc=desc, disable=not show, dynamic_ncols=True)
 
 
+# checkpoints taken during the SFT warm start (with checkpointing on): about this many
+SFT_CHECKPOINTS = 10
+
+
+def sft_checkpoint_every(cfg) -> int:
+    """SFT steps between the warm start's checkpoints (0: none): ``sft.steps`` split into
+    about :data:`SFT_CHECKPOINTS` parts, when the run checkpoints at all."""
+    if not cfg.checkpoint.every or cfg.sft.steps <= 1:
+        return 0
+    return max(1, cfg.sft.steps // SFT_CHECKPOINTS)
+
+
 def preamble(trainer, save: Callable[[], object]) -> None:
-    """Before the first RL step of a fresh run (a resumed run skips it)."""
+    """Before the first RL step of a fresh run. A run resumed after it skips it; a run
+    resumed inside the SFT warm start continues the warm start from its checkpoint."""
     cfg = trainer.cfg
-    if trainer.resume:
+    resume_sft = getattr(trainer, "sft_resume", None)
+    if trainer.resume and resume_sft is None:
         return
-    if cfg.eval.before:
+    if cfg.eval.before and not trainer.resume:
         trainer.console(f"evaluating on {len(trainer.heldout_tasks)} held-out tasks (before training)...")
         trainer.eval_before = trainer.evaluate("before")
         trainer.console(format_eval("before", trainer.eval_before))
     if cfg.sft.steps > 0:
-        bar = progress_bar(trainer, cfg.sft.steps, "sft warm start")
+        start = int(resume_sft["step"]) if resume_sft else 0
+        bar = progress_bar(trainer, cfg.sft.steps, "sft warm start", initial=start)
 
         def prog(s, loss):
             bar.update(1)
             bar.set_postfix(nll=f"{loss:.3f}")
             trainer.metrics.log(s, {"sft/nll": loss}, kind="sft")
 
-        trainer.sft(cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, progress=prog)
+        trainer.sft(cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, progress=prog, save=save,
+                    every=sft_checkpoint_every(cfg), resume=resume_sft)
+        trainer.sft_resume = None
         bar.close()
         if cfg.eval.before:
             trainer.console(format_eval("after SFT", trainer.evaluate("after_sft")))

@@ -35,7 +35,7 @@ from .checkpoint import list_checkpoints, newest_intact_checkpoint, verify_check
 
 __all__ = [
     "RUN_FILE", "ResumePlan", "config_fingerprint", "config_diff", "check_new_run_dir",
-    "create_run_dir", "check_resume", "check_resume_state", "commit_resume",
+    "create_run_dir", "check_resume", "check_resume_state", "commit_resume", "record_determinism",
 ]
 
 RUN_FILE = "run.json"
@@ -400,3 +400,22 @@ def commit_resume(plan: ResumePlan) -> None:
         history.append({"time": time.time(), "event": "resumed", "step": plan.step, "changed": plan.changes})
         _write_json_atomic(plan.run_dir / RUN_FILE, _run_record(plan.cfg, history))
         _write_atomic(plan.run_dir / "config.json", _config_text(plan.cfg))
+
+
+def record_determinism(run_dir, settings: Dict[str, Any]) -> None:
+    """Store the run's thread counts and deterministic-algorithm switches in ``run.json``
+    (:func:`trajgrad.train.seeding.determinism_settings`); a resume under different settings
+    is added to the history (the same seed then need not give the same bits). No-op for a
+    directory without ``run.json`` (a trainer built outside ``trajgrad train``)."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict) or record.get("determinism") == settings:
+        return
+    if record.get("determinism") is not None:
+        record.setdefault("history", []).append({"time": time.time(), "event": "determinism changed",
+                                                 "was": record["determinism"]})
+    record["determinism"] = settings
+    _write_json_atomic(path, record)

@@ -47,7 +47,8 @@ from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, token_rewards, turn_rewards
-from .seeding import seed_everything, step_seed
+from .rundir import record_determinism
+from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 
 __all__ = ["Trainer", "EvalResult", "seed_everything"]
@@ -67,6 +68,10 @@ class Trainer:
         self.objective: Objective = cfg.objective()
         self.resume = resume
         seed_everything(cfg.train.seed)
+        self.determinism = determinism_settings()
+        self.console(format_determinism(self.determinism))
+        if self.is_main:
+            record_determinism(self.run_dir, self.determinism)
 
         self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg)
         self.learner, self.tokenizer = build_learner(cfg, self.objective)
@@ -87,6 +92,11 @@ class Trainer:
         self.policy_version = 0
         self.dpo_pairs: Optional[List[Tuple[Trajectory, Trajectory]]] = None
         self.eval_before: Optional[EvalResult] = None
+        # the SFT warm start in progress: its optimizer and {"step", "steps", "rng"} while it runs
+        # (saved with every SFT checkpoint); a run resumed inside it continues from sft_resume
+        self._sft_opt: Optional[torch.optim.Optimizer] = None
+        self._sft_state: Optional[Dict[str, Any]] = None
+        self.sft_resume: Optional[Dict[str, Any]] = None
         metrics_offset = self._restore() if resume else None
         self.metrics = MetricsLogger.for_config(self.run_dir, cfg, resume_offset=metrics_offset) \
             if self.is_main else _NullLogger()
@@ -114,6 +124,8 @@ class Trainer:
         opts = {"policy": self.optimizer}
         if self.critic_optimizer is not None:
             opts["critic"] = self.critic_optimizer
+        if self._sft_opt is not None:
+            opts["sft"] = self._sft_opt
         return opts
 
     def save(self) -> Optional[Path]:
@@ -125,6 +137,7 @@ class Trainer:
             "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
+            "sft": self._sft_state,
         }
         path = None
         if self.is_main:
@@ -136,6 +149,10 @@ class Trainer:
     def _restore(self) -> Optional[int]:
         if latest_checkpoint(self.run_dir) is None:
             raise ValueError(f"run_dir: {self.run_dir} has no checkpoint to resume from")
+        sft = json.loads((latest_checkpoint(self.run_dir) / "extra.json").read_text()).get("sft")
+        if sft is not None:  # killed during the SFT warm start: pi_ref is not taken yet
+            self.learner.reference = None
+            self._sft_opt = self._sft_optimizer(self.model, self.cfg.sft.lr)
         state = load_checkpoint(self.run_dir, modules=self._modules(), optimizers=self._optimizers())
         ex = state.extra
         self.step = int(ex["step"])
@@ -151,7 +168,9 @@ class Trainer:
             self.lagrange.load_state_dict(ex["lagrange"])
         if ex.get("eval_before"):
             self.eval_before = EvalResult(**ex["eval_before"])
-        self.console(f"resumed from {state.path} at step {self.step}")
+        self.sft_resume = ex.get("sft")
+        where = f"SFT step {self.sft_resume['step']}" if self.sft_resume else f"step {self.step}"
+        self.console(f"resumed from {state.path} at {where}")
         return int(ex["metrics_offset"])
 
     # ------------------------------------------------------------------ data, evaluation, reference
@@ -336,21 +355,45 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ SFT and DPO
-    def sft(self, steps: int, batch_size: int, lr: float, progress=None, *, model=None, seed_salt: int = 17) -> List[float]:
-        """Masked negative log-likelihood on demonstrations (action tokens only)."""
+    @staticmethod
+    def _sft_optimizer(model, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def sft(self, steps: int, batch_size: int, lr: float, progress=None, *, model=None, seed_salt: int = 17,
+            save=None, every: int = 0, resume: Optional[Dict[str, Any]] = None) -> List[float]:
+        """Masked negative log-likelihood on demonstrations (action tokens only).
+
+        With ``save`` and ``every``: after every ``every``-th step (not the last) the SFT
+        optimizer, the step and the task sampler's state go into a checkpoint through
+        ``save`` (``progress`` has logged the step's metrics first, so the checkpoint's
+        metrics offset includes it). ``resume``: the ``sft`` record of such a checkpoint,
+        whose optimizer :meth:`_restore` has loaded; the warm start continues from its
+        step and draws the tasks the killed run would have drawn. Returns this call's losses.
+        """
         if steps <= 0:
             return []
         model = self.model if model is None else model
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         rng = random.Random(self.cfg.train.seed + seed_salt)
+        start = 0
+        if resume is not None:
+            opt = self._sft_opt
+            version, state, gauss = resume["rng"]
+            rng.setstate((version, tuple(state), gauss))
+            start = int(resume["step"])
+        else:
+            opt = self._sft_optimizer(model, lr)
         losses = []
-        for s in range(steps):
+        for s in range(start, steps):
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
             mine = dist_lib.shard(tasks, self.rank, self.world)
             total = updates.sft_update(self.learner, model, opt, self._demo_batch(mine) if mine else None)
             losses.append(total)
             if progress is not None:
                 progress(s, total)
+            if save is not None and every > 0 and (s + 1) % every == 0 and s + 1 < steps:
+                self._sft_opt, self._sft_state = opt, {"step": s + 1, "steps": steps, "rng": rng.getstate()}
+                save()
+        self._sft_opt = self._sft_state = None
         return losses
 
     def _dpo_step(self) -> Dict[str, float]:
