@@ -94,9 +94,9 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
         return OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=cfg.rollout.model_name or cfg.model.name,
-                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                             temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                              max_new_tokens=s.max_new_tokens, policy_version=policy_version, server=cfg.rollout.server)
-    return HFSampler(model, tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+    return HFSampler(model, tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                      max_new_tokens=s.max_new_tokens, policy_version=policy_version)
 
 
