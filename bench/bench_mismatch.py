@@ -21,7 +21,7 @@ curve (under the sampler's distribution) and held-out greedy success before and 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/bench_mismatch.py
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/bench_mismatch.py --variants mismatch tis --steps 10
 
-Writes bench/results/mismatch.md and bench/results/mismatch.png.
+Writes bench/results/mismatch.md and bench/results/mismatch.png (``--name`` changes the stem).
 """
 from __future__ import annotations
 
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--sft-steps", type=int, default=None, help="override the preset's SFT warm start (smoke runs)")
     p.add_argument("--heldout", type=int, default=None, help="override the preset's held-out task count (smoke runs)")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--name", default="mismatch", help="writes OUT/NAME.md and OUT/NAME.png")
     args = p.parse_args(argv)
     from trajgrad.train.config import PRESETS
 
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "mismatch.png"
+    png = args.out / f"{args.name}.png"
     plotted = _plot(results, png)
     cmd = "OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/bench_mismatch.py " + " ".join(
         a for a in (sys.argv[1:] if argv is None else argv))
@@ -226,10 +227,10 @@ def main(argv=None) -> int:
         "",
         _per_turn(results),
         "",
-        "![curves](mismatch.png)" if plotted else "",
+        f"![curves]({png.name})" if plotted else "",
         "",
     ])
-    (args.out / "mismatch.md").write_text(text)
+    (args.out / f"{args.name}.md").write_text(text)
     print(text)
     return 0
 

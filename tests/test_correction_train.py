@@ -296,3 +296,44 @@ def test_config_accepts_the_correction_from_yaml_and_set(tmp_path):
                  "      kind: tis\n      level: sequence\n      cap: 3\n")
     rc = load_config(p).objective().rollout_correction
     assert (rc.kind, rc.level, rc.cap, rc.mode) == ("tis", "sequence", 3, "decoupled")
+
+
+# ---------------------------------------------------------------------- the asynchronous learner on Ray
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, rc", [
+    ("sao", {"kind": "mis", "level": "token", "bounds": [0.5, 2.0], "mode": "bypass"}),
+    ("ppo", {"kind": "tis", "level": "token", "cap": 2.0}),
+])
+def test_async_learner_corrects_its_updates(recipe, rc, tmp_path):
+    """AsyncTrainer on Ray workers that sample at behaviour_temperature: the workers' records
+    reach the correction (lag and temperature mismatch both show in its KL), per turn too."""
+    ray = pytest.importorskip("ray")
+    from trajgrad.train.asynchronous import AsyncTrainer
+
+    cfg = build_config({
+        "name": "async-correction",
+        "model": {"name": "tiny", "dtype": "float32", "lora": None, "tiny": {"hidden_size": 32, "layers": 1, "heads": 2}},
+        "task": {"name": "calculator", "n_train": 64, "n_heldout": 4,
+                 "options": {"few_shot": False, "system_prompt": "", "max_turns": 2, "min_ops": 1, "max_ops": 1,
+                             "max_operand": 9}},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8, "behaviour_temperature": 1.6},
+        "recipe": {"name": recipe, "overrides": {"rollout_correction": rc}},
+        "train": {"steps": 2, "prompts_per_step": 1, "micro_batch_size": 4},
+        "critic": {"warmup_steps": 0},
+        "sft": {"steps": 0},
+        "eval": {"before": False, "after": False, "every": 0},
+        "checkpoint": {"every": 0},
+        "log": {"tensorboard": False, "progress": False},
+        "asynchronous": {"enabled": True, "workers": 1, "max_lag": 2, "batch_trajectories": 4, "queue_size": 2},
+    })
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        AsyncTrainer(cfg, tmp_path / "run", **QUIET).run(stall_timeout=120)
+    finally:
+        ray.shutdown()
+    rows = _train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"])
+        assert r["correction/kl/k3"] > 1e-5 and math.isfinite(r["correction/turn0/weight/mean"])
