@@ -97,19 +97,18 @@ def _fmt(v, spec=".3f"):
 
 
 def _table(results) -> str:
-    rows = ["| variant | sampler T | correction | k3 learner vs sampler | KL(mu‖pi_old) k1 | KL k3 | weight mean | weight min | weight max "
+    rows = ["| variant | sampler T | correction | KL(mu‖pi_old) k1 | KL k3 | weight mean | weight min | weight max "
             "| truncated frac | masked frac | reward first 5 | reward last 5 | held-out before | held-out after | s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         tr = r["train"]
         beh, rc = VARIANTS[r["variant"]]
         rc_txt = "off" if rc is None else ", ".join(f"{k}={v}" for k, v in rc.items())
-        mk3 = _mean(tr, "mismatch/k3_learner_vs_sampler")  # logged by every variant
-        k1, k3 = _mean(tr, "correction/kl/k1"), _mean(tr, "correction/kl/k3")  # the correction's, when on
+        k1, k3 = _mean(tr, "mismatch/kl_k1"), _mean(tr, "mismatch/kl_k3")  # logged by every variant
         b, bs, bn = _eval(r["summary"], "before")
         a, as_, an = _eval(r["summary"], "after")
         rows.append("| " + " | ".join([
-            r["variant"], r["beh_t"], rc_txt, _fmt(mk3, ".4f"), _fmt(k1, ".4f"), _fmt(k3, ".4f"),
+            r["variant"], r["beh_t"], rc_txt, _fmt(k1, ".4f"), _fmt(k3, ".4f"),
             _fmt(_mean(tr, "correction/weight/mean")), _fmt(_extreme(tr, "correction/weight/min", min)),
             _fmt(_extreme(tr, "correction/weight/max", max)),
             _fmt(_mean(tr, "correction/truncated_frac"), ".4f"), _fmt(_mean(tr, "correction/masked_frac"), ".4f"),
@@ -151,11 +150,11 @@ def _plot(results, path: Path) -> bool:
         tr = r["train"]
         steps = [rec["step"] for rec in tr]
         axes[0].plot(steps, [rec.get("reward/mean", float("nan")) for rec in tr], label=r["variant"])
-        axes[1].plot(steps, [rec.get("mismatch/k3_learner_vs_sampler", float("nan")) for rec in tr], label=r["variant"])
+        axes[1].plot(steps, [rec.get("mismatch/kl_k3", float("nan")) for rec in tr], label=r["variant"])
         if any("correction/weight/mean" in rec for rec in tr):
             axes[2].plot(steps, [1.0 - rec.get("correction/kept_frac", float("nan")) for rec in tr], label=r["variant"])
     axes[0].set_title("training reward (under the sampler's distribution)")
-    axes[1].set_title("mismatch k3(learner vs sampler) per token")
+    axes[1].set_title("mismatch KL(mu || pi_old), k3 per token")
     axes[2].set_title("dropped token fraction (MIS) / 0 (TIS)")
     for ax in axes:
         ax.set_xlabel("step")
@@ -219,8 +218,9 @@ def main(argv=None) -> int:
         "Baseline: `mismatch` (the same mismatched samples without correction).",
         *ratio_lines,
         "",
-        "KL columns: per-token means over steps: `mismatch/k3_learner_vs_sampler` (every variant), and the "
-        "correction's own sampled estimates of KL(mu‖pi_old) (`correction/kl/k1`, `k3`; only where it is on). Weight columns: mean of the step means, and the "
+        "KL columns: the sampled estimates of KL(mu‖pi_old) per token on the sampler's tokens "
+        "(`mismatch/kl_k1`, `mismatch/kl_k3`, logged by every variant; equal to the correction's "
+        "`correction/kl/*`), means over steps. Weight columns: mean of the step means, and the "
         "min / max over all steps. Fractions are of valid action tokens. Training reward is measured under the "
         "sampler's distribution (so the mismatched variants' rewards are those of temperature "
         f"{args.behaviour_temperature:g} samples); held-out success is greedy (128 tasks).",

@@ -148,9 +148,18 @@ def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.
 
 
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
-    """Entropy, and how far the learner's log-probs are from the sampler's records (§7)."""
+    """Entropy, and how far the learner's log-probs are from the sampler's records (§7).
+
+    ``mismatch/kl_k1`` and ``mismatch/kl_k3`` are the sampled estimates of
+    :math:`\mathrm{KL}(\mu\Vert\pi)` on the tokens the sampler drew (:math:`-z` and
+    :math:`e^z-1-z`, :math:`z=\log\pi-\log\mu`), the quantities the rollout correction
+    reports as ``correction/kl/*``, logged with the correction off too.
+    """
     m = {"entropy": float(masked_mean(entropy.double(), mask))}
     m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
+    z = torch.where(mask, learner.double() - torch.nan_to_num(behaviour.double()), torch.zeros_like(learner.double()))
+    m["mismatch/kl_k1"] = float(masked_mean(-z, mask))
+    m["mismatch/kl_k3"] = float(masked_mean(torch.expm1(z) - z, mask))
     diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
     m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
     return m
