@@ -167,6 +167,9 @@ def test_auto_old_logprobs_still_give_the_correction_the_behaviour_logprobs(tmp_
         assert torch.allclose(params["auto"][n], params["recompute"][n], atol=1e-6), n
     for key in ("correction/weight/mean", "correction/kl/k1", "correction/truncated_frac"):
         assert rows["auto"][key] == pytest.approx(rows["recompute"][key], abs=1e-6), key
+    for mode in ("auto", "recompute"):  # the mismatch logged with or without correction is the correction's
+        assert rows[mode]["mismatch/kl_k1"] == pytest.approx(rows[mode]["correction/kl/k1"], rel=1e-9, abs=1e-12)
+        assert rows[mode]["mismatch/kl_k3"] == pytest.approx(rows[mode]["correction/kl/k3"], rel=1e-9, abs=1e-12)
     assert rows["auto"]["correction/weight/mean"] != 1.0
     assert rows["auto"]["correction/weight/max"] == pytest.approx(1.1)  # tokens with pi_old/mu > 1.1 are capped
     assert rows["auto"]["correction/truncated_frac"] > 0
