@@ -148,7 +148,7 @@ def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.
 
 
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
-    """Entropy, and how far the learner's log-probs are from the sampler's records (§7).
+    r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
 
     ``mismatch/kl_k1`` and ``mismatch/kl_k3`` are the sampled estimates of
     :math:`\mathrm{KL}(\mu\Vert\pi)` on the tokens the sampler drew (:math:`-z` and
