@@ -146,13 +146,14 @@ def _plot(results, path: Path) -> bool:
     except ImportError:  # pragma: no cover
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for r in results:
+    for i, r in enumerate(results):
         tr = r["train"]
         steps = [rec["step"] for rec in tr]
-        axes[0].plot(steps, [rec.get("reward/mean", float("nan")) for rec in tr], label=r["variant"])
-        axes[1].plot(steps, [rec.get("mismatch/kl_k3", float("nan")) for rec in tr], label=r["variant"])
+        style = dict(label=r["variant"], color=f"C{i}")  # one colour per variant in every panel
+        axes[0].plot(steps, [rec.get("reward/mean", float("nan")) for rec in tr], **style)
+        axes[1].plot(steps, [rec.get("mismatch/kl_k3", float("nan")) for rec in tr], **style)
         if any("correction/weight/mean" in rec for rec in tr):
-            axes[2].plot(steps, [1.0 - rec.get("correction/kept_frac", float("nan")) for rec in tr], label=r["variant"])
+            axes[2].plot(steps, [1.0 - rec.get("correction/kept_frac", float("nan")) for rec in tr], **style)
     axes[0].set_title("training reward (under the sampler's distribution)")
     axes[1].set_title("mismatch KL(mu || pi_old), k3 per token")
     axes[2].set_title("dropped token fraction (MIS) / 0 (TIS)")
