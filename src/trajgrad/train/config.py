@@ -104,6 +104,15 @@ class SamplingConfig(_Strict):
     top_k: Optional[int] = Field(None, ge=1)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     max_new_tokens: int = Field(48, ge=1)
+    behaviour_temperature: Optional[float] = Field(
+        None, gt=0, description="mismatch injection, for experiments only: the sampler draws (and records its "
+        "behaviour log-probs) at this temperature while the learner recomputes at sampling.temperature, so "
+        "pi_old != mu by design (bench/bench_mismatch.py); None = sample at sampling.temperature")
+
+    @property
+    def sampler_temperature(self) -> float:
+        """The temperature the rollout sampler draws at (``behaviour_temperature`` when set)."""
+        return self.temperature if self.behaviour_temperature is None else self.behaviour_temperature
 
 
 class RolloutConfig(_Strict):

@@ -84,6 +84,9 @@ def _check_recipe(cfg, errors: _Errors):
             errors.add(f"recipe.overrides.{key}", f"unknown field of the recipe; known: {', '.join(sorted(fields))}")
             ok = False
             continue
+        if key == "rollout_correction" and (value is None or isinstance(value, dict)):
+            ok = _check_rollout_correction(value or {}, errors) and ok
+            continue
         bad = _strict_check(hints[key], value)
         if bad:
             errors.add(f"recipe.overrides.{key}", bad)
@@ -102,6 +105,41 @@ def _check_recipe(cfg, errors: _Errors):
             errors.add(f"recipe.overrides.{field}", _one_line(rest))
         return None
     return obj
+
+
+def _check_rollout_correction(value: Dict[str, Any], errors: _Errors) -> bool:
+    """``recipe.overrides.rollout_correction``: known keys, strict types, then the setting's own
+    validation, each error under ``recipe.overrides.rollout_correction.<key>``."""
+    from ..correction import RolloutCorrection
+
+    prefix = "recipe.overrides.rollout_correction"
+    hints = typing.get_type_hints(RolloutCorrection)
+    ok = True
+    for key, v in value.items():
+        if key not in hints:
+            errors.add(f"{prefix}.{key}", f"unknown key; known: {', '.join(sorted(hints))}")
+            ok = False
+            continue
+        bad = _strict_check(hints[key], tuple(v) if key == "bounds" and isinstance(v, list) else v)
+        if bad:
+            errors.add(f"{prefix}.{key}", bad)
+            ok = False
+    if ok:
+        try:
+            RolloutCorrection.coerce(value)
+        except ValueError as exc:
+            field, rest = _split_field_message(exc, hints)
+            errors.add(f"{prefix}.{field}" if field else prefix, _one_line(rest))
+            ok = False
+    return ok
+
+
+def _check_correction_sources(cfg, obj, errors: _Errors) -> None:
+    rc = obj.rollout_correction if obj is not None else None
+    if rc and rc.mode == "decoupled" and cfg.train.old_logp == "behaviour":
+        errors.add("train.old_logp", "'behaviour' makes the old log-probs the sampler's, so the decoupled rollout "
+                   "correction's weights pi_old/mu would be exactly 1; use 'auto' or 'recompute', or "
+                   "recipe.overrides.rollout_correction.mode 'bypass'")
 
 
 # ----------------------------------------------------------------------------- models
@@ -348,6 +386,7 @@ def check_config(cfg) -> None:
     """Raise ValueError (every problem, each with its dotted key, on one line)."""
     errors = _Errors()
     obj = _check_recipe(cfg, errors)
+    _check_correction_sources(cfg, obj, errors)
     _check_models(cfg, obj, errors)
     _check_task(cfg, errors)
     _check_log_dist(cfg, errors)

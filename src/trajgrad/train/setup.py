@@ -113,11 +113,11 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
             raise ValueError("rollout.base_url: required for backend 'openai'")
         served = cfg.rollout.model_name or (cfg.model.path if cfg.model.path is not None else cfg.model.name)
         sampler = OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=served,
-                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                                 max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                                 server=cfg.rollout.server)
     else:
-        sampler = HFSampler(model, tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        sampler = HFSampler(model, tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                             max_new_tokens=s.max_new_tokens, policy_version=policy_version)
     sampler.template_mismatch = cfg.rollout.template_mismatch
     return sampler

@@ -19,6 +19,7 @@ Nothing here samples, logs or checkpoints; the formulas are the core's.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -152,12 +153,65 @@ def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.
 
 
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
-    """Entropy, and how far the learner's log-probs are from the sampler's records (§7)."""
+    r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
+
+    ``mismatch/kl_k1`` and ``mismatch/kl_k3`` are the sampled estimates of
+    :math:`\mathrm{KL}(\mu\Vert\pi)` on the tokens the sampler drew (:math:`-z` and
+    :math:`e^z-1-z`, :math:`z=\log\pi-\log\mu`), the quantities the rollout correction
+    reports as ``correction/kl/*``, logged with the correction off too.
+    """
     m = {"entropy": float(masked_mean(entropy.double(), mask))}
     m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
+    z = torch.where(mask, learner.double() - torch.nan_to_num(behaviour.double()), torch.zeros_like(learner.double()))
+    m["mismatch/kl_k1"] = float(masked_mean(-z, mask))
+    m["mismatch/kl_k3"] = float(masked_mean(torch.expm1(z) - z, mask))
     diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
     m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
     return m
+
+
+def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torch.Tensor, target_logp: torch.Tensor,
+                       advantages: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    r"""The recipe's rollout-correction metrics over the whole batch, and per turn (§7, §16).
+
+    The correction (:meth:`RolloutCorrection.__call__`) is computed once on the whole batch,
+    from ``behaviour_logp`` :math:`\log\mu` and ``target_logp`` (:math:`\log\pi_{old}` in
+    ``"decoupled"`` mode, the current :math:`\log\pi_\theta` in ``"bypass"``), so the
+    sequence-level weights and the min / max / effective sample size are those of the step,
+    not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
+    turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
+    turn's action tokens: ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the
+    turn's tokens), ``kept_frac``, ``dropped_frac`` (masked, rejected or sequence-masked),
+    ``kl/k1`` and ``kl/k3`` (of :math:`\mathrm{KL}(\mu\Vert\pi)`), and with truncated IS
+    ``truncated_frac`` (tokens whose weight is the cap). Everything is detached.
+    """
+    rc = obj.rollout_correction
+    mask = batch.action_mask.bool()
+    with torch.no_grad():
+        beh = torch.where(mask, behaviour_logp.detach().double(), 0.0)
+        tgt = torch.where(mask, target_logp.detach().double(), 0.0)
+        adv = None if rc.seq_mask_delta is None else advantages
+        corr = rc(beh, tgt, mask, advantages=adv)
+        out = {k: float(v) for k, v in corr.metrics.items()}
+        w = corr.weight.double()
+        z = tgt - beh
+        # a truncated token's weight is exp(log C), the value the correction computes for it
+        cap_w = torch.exp(torch.tensor(math.log(rc.cap), dtype=w.dtype)) if rc.kind == "tis" else None
+        turns = torch.unique(batch.turn_ids[mask]).tolist() if mask.any() else []
+        for k in turns:
+            sel = mask & (batch.turn_ids == k)
+            ws, zs, n = w[sel], z[sel], float(sel.sum())
+            p = f"correction/turn{int(k)}/"
+            sq = float((ws * ws).sum())
+            kept = float(corr.keep[sel].double().mean())
+            out.update({p + "weight/mean": float(ws.mean()), p + "weight/min": float(ws.min()),
+                        p + "weight/max": float(ws.max()),
+                        p + "ess": float(ws.sum()) ** 2 / sq / n if sq > 0 else 0.0,
+                        p + "kept_frac": kept, p + "dropped_frac": 1.0 - kept,
+                        p + "kl/k1": float((-zs).mean()), p + "kl/k3": float((torch.expm1(zs) - zs).mean())})
+            if cap_w is not None:
+                out[p + "truncated_frac"] = float((ws >= cap_w).double().mean())
+    return out
 
 
 # ---------------------------------------------------------------------- policy
@@ -173,6 +227,13 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     it declares (§7, §20.2). ``behaviour``: the sampler's raw records, for the
     learner-vs-sampler metrics. With ``entropy_coef > 0`` the loss gets the per-token entropy
     of the sampling distribution with its gradient (:func:`logprobs_with_entropy`).
+
+    With ``rollout_correction`` set, every micro-batch's loss is corrected with the three
+    sources: ``behaviour_logp`` (required), the old log-probs (``old_logp``, or with
+    ``old_logp=None`` the micro-batch's own detached log-probs, equal to the old ones in the
+    single epoch) and the current ones. The ``correction/*`` metrics reported are those of
+    the whole batch in the first epoch (:func:`correction_metrics`, per turn too). Metrics
+    of the loss are means over the epochs.
     """
     obj = st.objective
     mask = batch.action_mask
@@ -182,8 +243,11 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
     params = st.trainable()
     with_entropy = obj.entropy_coef > 0
-    seen_logp, seen_ent = [], []
-    acc = TokenWeightedMetrics(mask.sum())
+    rc = obj.rollout_correction
+    if rc and behaviour_logp is None:
+        raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
+    seen_logp, seen_ent, first_logp = [], [], []
+    acc = TokenWeightedMetrics(mask.sum() * st.epochs_per_batch)  # a mean over micro-batches and epochs
     loss_total, grad_norm = 0.0, None
     rec = tokenlog.active()  # the per-token record of this update (trajgrad view), or None
     for _epoch in range(st.epochs_per_batch):
@@ -200,6 +264,8 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if first:
                 seen_logp.append(lp.detach())
                 seen_ent.append(ent.detach())
+            if rc and _epoch == 0:
+                first_logp.append(lp.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
             res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
                                   behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
@@ -218,6 +284,10 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             acc.values["grad_norm"] = grad_norm
     metrics = acc.values
     metrics["loss"] = loss_total
+    if rc:
+        # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
+        target = old_logp if (old_logp is not None and rc.mode == "decoupled") else torch.cat(first_logp, 0)
+        metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
     if seen_logp and behaviour is not None:
         metrics.update(sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
     return metrics

@@ -55,7 +55,7 @@ class RolloutWorker:
         lat_seed = _step_seed(cfg.train.seed, self.index, salt=1000 + self.generation)
         self.source = with_latency(source, cfg.asynchronous.env_latency, seed=lat_seed)
         s = cfg.sampling
-        self.sampler = HFSampler(self.model, self.tokenizer, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        self.sampler = HFSampler(self.model, self.tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                                  max_new_tokens=s.max_new_tokens, policy_version=0)
         self.sampler.template_mismatch = cfg.rollout.template_mismatch
         self.store = store
