@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
+from ..aggregate import _check_denominator
 from ..types import LossResult
 
 
@@ -208,13 +209,7 @@ def dpo_loss(
     if denominator is None:
         d = torch.as_tensor(float(shape[0]), dtype=per_pair.dtype, device=per_pair.device)
     else:
-        d = torch.as_tensor(denominator, dtype=per_pair.dtype, device=per_pair.device)
-        if d.ndim != 0:
-            raise ValueError(f"denominator: must be a scalar, got shape {tuple(d.shape)}")
-        if not bool(d > 0):
-            raise ValueError(f"denominator: must be positive, got {d.item()}")
-        if not bool(torch.isfinite(d)):
-            raise ValueError(f"denominator: must be finite, got {d.item()}")
+        d = _check_denominator(denominator, per_pair.dtype, per_pair.device)
     loss = per_pair.sum() / d
     with torch.no_grad():
         metrics = {
