@@ -60,6 +60,22 @@ class Attack:
     harmless: bool = False
 
 
+
+def _mount_parents():
+    """Folders that exist inside the sandbox only as parents of the bound Python installation
+    (a venv under /tmp or /home makes those mount points; they hold nothing of the host's)."""
+    out = set()
+    for path in {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}:
+        p = os.path.realpath(path)
+        while True:
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+            if p != "/":
+                out.add(p)
+    return sorted(out)
+
 def _digest(path):
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -99,6 +115,7 @@ def ctx():
     if not os.path.exists(venv_file):
         venv_file = os.__file__
     values = dict(
+        mount_parents=_mount_parents(),
         base=str(base),
         canary=str(canary),
         token=token,
@@ -513,6 +530,8 @@ print('ESCAPED wrote 100 MB')
     Attack("stat-host-files", "metadata", REAL + """
 found = {{}}
 for p in ['/etc/passwd', '/etc/shadow', {canary!r}, {project_file!r}, {git_path!r}, '/home', '/proc/1', '/tmp']:
+    if p in {mount_parents!r}:
+        continue  # a parent folder of the bound Python installation (an empty mount point)
     try:
         st = os.stat(p)
         found[p] = st.st_size
@@ -523,7 +542,7 @@ if found:
 """, harmless=True),
     Attack("listdir-and-exists", "metadata", UNGUARD + """
 found = [p for p in ['/etc', '/tmp', '/home', '/proc', {base!r}, {git_path!r}, {project_file!r}]
-         if os.path.exists(p)]
+         if os.path.exists(p) and p not in {mount_parents!r}]
 if found:
     print('ESCAPED', found)
 print(os.listdir('/'))
