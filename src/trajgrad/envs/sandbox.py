@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -308,8 +309,13 @@ class SandboxedPython:
                 reason = "wall"  # all pipes closed, yet the sandbox is still running
         finally:
             sel.close()
-            if sandbox_pid is None and reason is not None and heads["info"]:
-                sandbox_pid = _open_sandbox_pid(bytes(heads["info"]), proc.pid)
+            if sandbox_pid is None and reason is not None:
+                # bwrap writes the child's pid right after creating it: without it, killing
+                # bwrap would orphan that process to the host's init (a zombie where init
+                # does not reap), so what is still in the pipe is read first (bounded).
+                _drain_info(info, heads["info"], limits["info"], time.monotonic() + _INFO_WAIT_S)
+                if heads["info"]:
+                    sandbox_pid = _open_sandbox_pid(bytes(heads["info"]), proc.pid)
             status = _stop(proc, sandbox_pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
             if sandbox_pid is not None:
@@ -400,6 +406,34 @@ def _truncate(text: str, cap: int):
     if len(data) <= cap:
         return text, False
     return data[:cap].decode("utf-8", "ignore"), True
+
+
+# How long a kill waits for bwrap's child-pid report that is not read yet (it is written
+# within milliseconds of the sandbox's start).
+_INFO_WAIT_S = 1.0
+
+
+def _drain_info(info, head: bytearray, limit: int, deadline: float) -> None:
+    """Read bwrap's ``--info-fd`` pipe into ``head`` until it closes, is full or ``deadline``."""
+    while len(head) < limit and not _complete_json(head):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        ready, _, _ = select.select([info], [], [], remaining)
+        if not ready:
+            return
+        data = os.read(info.fileno(), limit - len(head))
+        if not data:
+            return
+        head += data
+
+
+def _complete_json(data: bytearray) -> bool:
+    try:
+        json.loads(bytes(data).decode("utf-8"))
+    except ValueError:
+        return False
+    return True
 
 
 def _exited_unreaped(pid: int, deadline: float) -> bool:
