@@ -37,6 +37,7 @@ from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
 from . import fsdp, tokenlog
+from .checkpoint_state import entropy_coef_state, set_entropy_coef_state
 
 
 @dataclass
@@ -152,6 +153,30 @@ def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.
     return logp.double(), ent.double()
 
 
+def step_objective(st: LearnerState) -> Objective:
+    """The recipe of the coming step: with ``entropy_target`` set, ``entropy_coef`` is the
+    adaptive coefficient of now (kept with the policy optimizer's state, so a checkpoint
+    holds it); otherwise the recipe itself. ``explain(step_objective(st))`` prints the rule
+    and the current coefficient."""
+    obj = st.objective
+    if not obj.adaptive_entropy:
+        return obj
+    return obj.replace(entropy_coef=entropy_coef_state(st.optimizer, obj.entropy_coef))
+
+
+def adapt_entropy_coef(st: LearnerState, obj: Objective, entropy_sum: float, tokens: float) -> Dict[str, float]:
+    r"""After a step: :math:`\bar{\mathcal H}` = the token mean of the entropy over the step's
+    action tokens (sums over ranks), the next coefficient (:meth:`Objective.next_entropy_coef`)
+    recorded for the next step, and the metrics ``entropy_control/coef`` (used in this step),
+    ``next_coef``, ``target`` and ``measured``."""
+    total, count = dist_lib.sum_over_ranks(entropy_sum), dist_lib.sum_over_ranks(tokens)
+    measured = total / count if count > 0 else obj.entropy_target  # no token: no evidence, c unchanged
+    nxt = obj.next_entropy_coef(measured) if count > 0 else obj.entropy_coef
+    set_entropy_coef_state(st.optimizer, nxt)
+    return {"entropy_control/coef": obj.entropy_coef, "entropy_control/next_coef": nxt,
+            "entropy_control/target": float(obj.entropy_target), "entropy_control/measured": float(measured)}
+
+
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
     r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
 
@@ -226,7 +251,10 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     :meth:`Objective.policy_loss` with ``old_logp``; the term takes its ratio against the one
     it declares (§7, §20.2). ``behaviour``: the sampler's raw records, for the
     learner-vs-sampler metrics. With ``entropy_coef > 0`` the loss gets the per-token entropy
-    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`).
+    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`). With
+    ``entropy_target`` set, the step uses the current adaptive coefficient
+    (:func:`step_objective`) and sets the next one from the entropy measured in its first
+    epoch (:func:`adapt_entropy_coef`).
 
     With ``rollout_correction`` set, every micro-batch's loss is corrected with the three
     sources: ``behaviour_logp`` (required), the old log-probs (``old_logp``, or with
@@ -235,14 +263,19 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     the whole batch in the first epoch (:func:`correction_metrics`, per turn too). Metrics
     of the loss are means over the epochs.
     """
-    obj = st.objective
+    obj = step_objective(st)
     mask = batch.action_mask
     if old_logp is None and st.epochs_per_batch != 1:
         raise ValueError("old_logp: required when epochs_per_batch > 1")
+    adaptive = obj.adaptive_entropy
+    if adaptive and (st.top_k is not None or (st.top_p is not None and st.top_p < 1.0)):
+        raise ValueError("entropy_target: the entropy is measured for sampling without top_k/top_p "
+                         f"(got top_k={st.top_k}, top_p={st.top_p})")
     mbs = micro_batches(len(batch), st.micro_batch_size)
     den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
     params = st.trainable()
     with_entropy = obj.entropy_coef > 0
+    ent_sum = 0.0  # the first epoch's entropy over the action tokens (adaptive entropy control)
     rc = obj.rollout_correction
     if rc and behaviour_logp is None:
         raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
@@ -259,8 +292,10 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if with_entropy:
                 lp, ent = logprobs_with_entropy(st, mb)
             else:
-                out = logprobs(st, mb, want_entropy=first or rec is not None)
+                out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
                 lp, ent = out.logp.double(), out.entropy
+            if adaptive and _epoch == 0:
+                ent_sum += float(torch.where(mb.action_mask.bool(), ent.detach().double(), 0.0).sum())
             if first:
                 seen_logp.append(lp.detach())
                 seen_ent.append(ent.detach())
@@ -284,6 +319,8 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             acc.values["grad_norm"] = grad_norm
     metrics = acc.values
     metrics["loss"] = loss_total
+    if adaptive:
+        metrics.update(adapt_entropy_coef(st, obj, ent_sum, float(mask.sum())))
     if rc:
         # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
         target = old_logp if (old_logp is not None and rc.mode == "decoupled") else torch.cat(first_logp, 0)
