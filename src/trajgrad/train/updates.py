@@ -19,7 +19,6 @@ Nothing here samples, logs or checkpoints; the formulas are the core's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -28,7 +27,8 @@ import torch
 from .. import credit
 from .. import distributed as dist_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
-from ..diagnostics import explained_variance
+from ..correction import turn_metrics
+from ..diagnostics import explained_variance, mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs
 from ..losses import kl_estimate, sequence_logp
 from ..objective import Objective
@@ -205,10 +205,11 @@ def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torc
     sequence-level weights and the min / max / effective sample size are those of the step,
     not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
     turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
-    turn's action tokens: ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the
-    turn's tokens), ``kept_frac``, ``dropped_frac`` (masked, rejected or sequence-masked),
-    ``kl/k1`` and ``kl/k3`` (of :math:`\mathrm{KL}(\mu\Vert\pi)`), and with truncated IS
-    ``truncated_frac`` (tokens whose weight is the cap). Everything is detached.
+    turn's action tokens (:func:`trajgrad.correction.turn_metrics`):
+    ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the turn's tokens),
+    ``kept_frac``, ``dropped_frac``, and each reason separately: ``truncated_frac``,
+    ``masked_frac``, ``rejected_frac``, ``seq_masked_frac``; ``kl/k1`` and ``kl/k3`` (of
+    :math:`\mathrm{KL}(\mu\Vert\pi)`). Everything is detached.
     """
     rc = obj.rollout_correction
     mask = batch.action_mask.bool()
@@ -218,24 +219,7 @@ def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torc
         adv = None if rc.seq_mask_delta is None else advantages
         corr = rc(beh, tgt, mask, advantages=adv)
         out = {k: float(v) for k, v in corr.metrics.items()}
-        w = corr.weight.double()
-        z = tgt - beh
-        # a truncated token's weight is exp(log C), the value the correction computes for it
-        cap_w = torch.exp(torch.tensor(math.log(rc.cap), dtype=w.dtype)) if rc.kind == "tis" else None
-        turns = torch.unique(batch.turn_ids[mask]).tolist() if mask.any() else []
-        for k in turns:
-            sel = mask & (batch.turn_ids == k)
-            ws, zs, n = w[sel], z[sel], float(sel.sum())
-            p = f"correction/turn{int(k)}/"
-            sq = float((ws * ws).sum())
-            kept = float(corr.keep[sel].double().mean())
-            out.update({p + "weight/mean": float(ws.mean()), p + "weight/min": float(ws.min()),
-                        p + "weight/max": float(ws.max()),
-                        p + "ess": float(ws.sum()) ** 2 / sq / n if sq > 0 else 0.0,
-                        p + "kept_frac": kept, p + "dropped_frac": 1.0 - kept,
-                        p + "kl/k1": float((-zs).mean()), p + "kl/k3": float((torch.expm1(zs) - zs).mean())})
-            if cap_w is not None:
-                out[p + "truncated_frac"] = float((ws >= cap_w).double().mean())
+        out.update(turn_metrics(corr, beh, tgt, mask, batch.turn_ids))
     return out
 
 
@@ -260,8 +244,10 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     sources: ``behaviour_logp`` (required), the old log-probs (``old_logp``, or with
     ``old_logp=None`` the micro-batch's own detached log-probs, equal to the old ones in the
     single epoch) and the current ones. The ``correction/*`` metrics reported are those of
-    the whole batch in the first epoch (:func:`correction_metrics`, per turn too). Metrics
-    of the loss are means over the epochs.
+    the whole batch in the first epoch (:func:`correction_metrics`, per turn too). With
+    ``behaviour`` given, ``mismatch/turn{k}/kl_k1|kl_k3`` are the sampler–learner mismatch
+    per turn, from the first epoch's log-probs (the weights that sampled, in the synchronous
+    loop), logged with the correction off too. Metrics of the loss are means over the epochs.
     """
     obj = step_objective(st)
     mask = batch.action_mask
@@ -299,7 +285,7 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if first:
                 seen_logp.append(lp.detach())
                 seen_ent.append(ent.detach())
-            if rc and _epoch == 0:
+            if _epoch == 0:
                 first_logp.append(lp.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
             res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
@@ -325,6 +311,9 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
         # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
         target = old_logp if (old_logp is not None and rc.mode == "decoupled") else torch.cat(first_logp, 0)
         metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
+    if behaviour is not None and first_logp:
+        # the first epoch's log-probs are those of the weights before the step (pi_old)
+        metrics.update(mismatch_by_turn(torch.cat(first_logp, 0), behaviour, mask, batch.turn_ids))
     if seen_logp and behaviour is not None:
         metrics.update(sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
     return metrics
