@@ -218,8 +218,14 @@ def _fast_policy_metrics(
     hi_b: Optional[float] = None,
     prefix: str = "",
     quantiles: Optional[bool] = None,
+    sum_z: Optional[torch.Tensor] = None,
+    em1: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """:func:`policy_metrics` on sanitized inputs: ``z`` and ``adv`` exactly 0 at masked slots.
+
+    ``sum_z`` (optional): the sum of ``z``, when the caller has it (saves a pass).
+    ``em1`` (optional): ``torch.expm1(z)`` in ``z``'s dtype, when the caller has formed it
+    (a loss whose weight is the ratio derives it from this one transcendental pass).
 
     ``maskf`` is the 0/1 mask as floats (``mask``, the bool one, is not read), ``tokens`` its sum; ``ratio`` (optional) is
     ``exp(z)`` already computed by the caller. Every statistic is a sum or an extremum
@@ -235,8 +241,8 @@ def _fast_policy_metrics(
         zero = torch.zeros((), dtype=dt, device=z.device)
         # one elementwise pass: e^z - 1 (0 at masked slots, where z = 0) gives both the mean
         # ratio (sum + N) and k3 = mean(e^z - 1 - z) (sum - sum z)
-        em1 = torch.expm1(z)
-        sum_z = z.sum()
+        em1 = torch.expm1(z) if em1 is None else em1.detach().to(dt)
+        sum_z = z.sum() if sum_z is None else sum_z.detach().to(dt)
         sum_em1 = em1.sum()
         out: Dict[str, torch.Tensor] = {"tokens": n, "ratio/mean": torch.where(has, (sum_em1 + n) / d, one)}
         mf = maskf.to(dt)

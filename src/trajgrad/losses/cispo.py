@@ -12,7 +12,7 @@ import torch
 
 from ..diagnostics import _log_bound
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
+from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
 
 def cispo_loss(
@@ -81,12 +81,15 @@ def cispo_loss(
     w = token_weights(weights, x)
     with torch.no_grad():
         z = x.log_ratio().detach()  # 0 at masked positions
-        r_hat = torch.clamp(z, min=lo_b, max=hi_b).exp_()
+        # one transcendental pass serves the weight and the metrics: r = 1 + expm1(z), clipped in
+        # ratio space (the same bounds exp(log(1 - eps_l)), exp(log(1 + eps_h)); an overflowing
+        # ratio is clipped to the finite upper bound)
+        em1 = torch.expm1(z)
+        r_hat = torch.clamp(em1 + 1.0, min=math.exp(lo_b), max=math.exp(hi_b))
         r_sum = torch.dot(r_hat.reshape(-1), x.maskf.reshape(-1))
         coef = r_hat.mul_(x.advantages)
-    term = coef * x.logp_factor  # the negation is applied to the scalar
-    loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
-    metrics = ratio_metrics(z, x)
+    loss = linear_in_logp(coef, x, aggregation, weights=w, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x, em1=em1)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
