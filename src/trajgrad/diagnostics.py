@@ -233,6 +233,9 @@ def _fast_policy_metrics(
     """
     with torch.no_grad():
         z = _metric_dtype(z.detach())
+        if z.numel() <= _SMALL and z.device.type == "cpu" and not (_LOSS_QUANTILES if quantiles is None else quantiles):
+            out = _small_policy_metrics(z, adv, maskf, lo_b, hi_b)
+            return {prefix + k: v for k, v in out.items()} if prefix else out
         dt = z.dtype
         n = tokens.to(dt)
         d = n.clamp_min(1.0)
@@ -276,6 +279,48 @@ def _fast_policy_metrics(
     if prefix:
         out = {prefix + k: v for k, v in out.items()}
     return out
+
+
+# below this many entries (one per sequence: GSPO, GMPO, sequence-level SAPO) the metrics are
+# computed in float64 by the interpreter from one copy of the values: some fifty tensor
+# operations on a handful of numbers cost more in dispatch than the arithmetic
+_SMALL = 256
+
+
+def _small_policy_metrics(z: torch.Tensor, adv: torch.Tensor, maskf: torch.Tensor, lo_b, hi_b) -> Dict[str, torch.Tensor]:
+    """The keys and formulas of :func:`_fast_policy_metrics` for a small CPU ``z`` (0 at masked slots)."""
+    dt = z.dtype
+    zs, ms = z.reshape(-1).tolist(), maskf.reshape(-1).tolist()
+    valid = [v for v, m in zip(zs, ms) if m != 0]
+    n = float(len(valid))
+    d = max(n, 1.0)
+    sum_z = math.fsum(valid)
+    sum_em1 = math.fsum(math.expm1(v) if v < 709.0 else math.inf for v in valid)
+    has = n > 0
+    keys = ["tokens", "ratio/mean", "ratio/min", "ratio/max", "kl/k1", "kl/k3"]
+    def exp(v: float) -> float:
+        return math.exp(v) if v < 709.0 else math.inf
+
+    vals = [n, (sum_em1 + n) / d if has else 1.0, exp(min(valid)) if has else 1.0, exp(max(valid)) if has else 1.0,
+            -sum_z / d, max(sum_em1 - sum_z, 0.0) / d]
+    if lo_b is not None:
+        advs = adv.reshape(-1).tolist()
+        ph = pl = nh = nl = 0
+        high = low = 0
+        for v, a in zip(zs, advs):  # masked slots: z = 0 inside every range, A = 0
+            h, lo = v > hi_b, v < lo_b
+            high += h
+            low += lo
+            if a > 0:
+                ph += h
+                pl += lo
+            elif a < 0:
+                nh += h
+                nl += lo
+        keys += ["clip_frac/pos_high", "clip_frac/pos_low", "clip_frac/neg_high", "clip_frac/neg_low", "clip_frac",
+                 "ratio/out_of_range_frac"]
+        vals += [ph / d, pl / d, nh / d, nl / d, (ph + nl) / d, (high + low) / d]
+    return dict(zip(keys, torch.tensor(vals, dtype=dt, device=z.device).unbind()))
 
 
 def _valid_pair(returns, values, mask):

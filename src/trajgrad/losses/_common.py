@@ -5,12 +5,13 @@ condition and ``torch.isfinite`` cost 10–25 elementwise multiplications each a
 ``[64, 4096]``, so a loss that selects every input and checks every value costs several
 times the spec's four-line code. This module takes a *fast path* that is exact:
 
-1. One dot product per input with the 0/1 mask tells whether every stored value is
-   finite: a NaN or ±inf anywhere, valid or masked slot, makes it non-finite (IEEE:
-   :math:`\mathrm{NaN}\cdot0=\pm\infty\cdot0=\mathrm{NaN}`); a sum that overflows from
-   finite values only sends us to the slow path, never wrongly to the fast one. The same
-   product *is* the sum over the valid tokens, which the metrics reuse (means of the
-   log-probs and advantages), so the check costs no separate pass.
+1. One sum per input over the *whole* tensor (valid and masked slots) tells whether
+   every stored value is finite (a NaN or ±inf anywhere makes the sum non-finite; a sum
+   that overflows from finite values only sends us to the slow path, never wrongly
+   to the fast one). A loss whose metrics are means of its inputs asks for
+   ``valid_sums``: the check is then one dot product per input with the 0/1 mask, which
+   is non-finite under the same condition (IEEE: :math:`\mathrm{NaN}\cdot0=\pm\infty\cdot0
+   =\mathrm{NaN}`) and *is* the sum over the valid tokens the metrics need.
 2. If every value is finite, ``x * mask`` equals ``torch.where(mask, x, 0)`` exactly, in
    value and in gradient (the gradient of a product with a 0/1 constant is that 0/1
    constant), so inputs are zeroed at masked slots by multiplication. The masking rule of
@@ -61,7 +62,7 @@ class Inputs:
         self._behaviour = behaviour
         self._z = None
         # detached 0-D sums over the valid tokens ("logp", "advantages", "behaviour"), by the
-        # finiteness check on the fast path (None on the slow path)
+        # finiteness check on the fast path with valid_sums (None otherwise)
         self.sums = sums
 
     @property
@@ -101,7 +102,8 @@ class Inputs:
         return self.raw_logp if self.finite else self.logp
 
     def valid_total(self, key: str) -> torch.Tensor:
-        """Detached sum over the valid tokens of ``"logp"``, ``"advantages"`` or ``"behaviour"``."""
+        """Detached sum over the valid tokens of ``"logp"``, ``"advantages"`` or ``"behaviour"``
+        (formed by the check with ``prepare(..., valid_sums=True)``, else summed here)."""
         if self.sums is not None:
             return self.sums[key]
         with torch.no_grad():
@@ -156,8 +158,12 @@ def prepare(
     behaviour=None,
     behaviour_name: Optional[str] = None,
     advantages_name: str = "advantages",
+    valid_sums: bool = False,
 ) -> Inputs:
-    """Validate and sanitize the inputs of a policy loss (see the module docstring)."""
+    """Validate and sanitize the inputs of a policy loss (see the module docstring).
+
+    ``valid_sums``: make the finiteness check the valid-token sums (:meth:`Inputs.valid_total`).
+    """
     _checks.check_choice("aggregation", aggregation, MODES)
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
@@ -181,14 +187,19 @@ def prepare(
         beh = beh.to(logp.dtype)
     adv = adv.to(logp.dtype)
     with torch.no_grad():
-        # each product is non-finite iff a stored value is (valid or masked slot): the check and the valid sums
-        flat_m = mf.reshape(-1)
-        sums = {"logp": torch.dot(logp.detach().reshape(-1), flat_m),
-                "advantages": torch.dot(adv, lengths) if adv.ndim == 1 else torch.dot(adv.reshape(-1), flat_m)}
-        total = sums["logp"] + sums["advantages"]
-        if beh is not None:
-            sums["behaviour"] = torch.dot(beh.reshape(-1), flat_m)
-            total = total + sums["behaviour"]
+        sums = None
+        if valid_sums:
+            # each product is non-finite iff a stored value is (valid or masked slot): the check and the valid sums
+            flat_m = mf.reshape(-1)
+            sums = {"logp": torch.dot(logp.detach().reshape(-1), flat_m),
+                    "advantages": torch.dot(adv, lengths) if adv.ndim == 1 else torch.dot(adv.reshape(-1), flat_m)}
+            if beh is not None:
+                sums["behaviour"] = torch.dot(beh.reshape(-1), flat_m)
+            total = sum(sums.values())
+        else:
+            total = logp.detach().sum() + adv.sum()
+            if beh is not None:
+                total = total + beh.sum()
         finite = bool(torch.isfinite(total))
     if finite:
         tokens = lengths.sum()

@@ -69,7 +69,7 @@ def reinforce_loss(
       ``LossResult(loss, metrics)``; metrics ``tokens``, ``advantage/mean``,
       ``logp/mean`` (valid-token means, detached).
     """
-    x = prepare(logp, mask, advantages, aggregation=aggregation)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, valid_sums=True)
     w = token_weights(weights, x)
     coef = x.advantages if w is None else x.advantages * w  # detached, 0 at masked slots
     loss = linear_in_logp(coef, x, aggregation, constant=constant, denominator=denominator)
