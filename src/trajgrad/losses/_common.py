@@ -21,10 +21,10 @@ times the spec's four-line code. This module takes a *fast path* that is exact:
    non-finite value at a *valid* position raises ``ValueError`` naming the argument) and
    zeroed by selection, as before.
 
-A float mask is checked to be 0/1 without a temporary: its range is :math:`[0, 1]` and, per
-row, :math:`\sum_jm_j^2=\sum_jm_j`; with every :math:`m_j(1-m_j)\ge0` that holds only for 0/1
-(up to float rounding of a row's count: a value closer than about :math:`10^{-4}` to 0 or 1
-in a row of 4,096 may pass). NaN fails the range test.
+A float mask is checked to be 0/1 in two passes: :math:`\sum_j t_j^2 = 0` with
+:math:`t_j=m_j(1-m_j)`, a sum of non-negative terms, each 0 exactly when :math:`m_j\in\{0,1\}`
+(no cancellation: a value :math:`\delta` away from 0 or 1 is found for any
+:math:`\delta>10^{-19}` in float32; NaN and ±inf make the sum NaN or inf).
 """
 from __future__ import annotations
 
@@ -138,14 +138,12 @@ def _as_mask(mask, shape, dtype) -> tuple:
     mf = mask.to(dtype)
     lengths = mf.sum(-1)
     if _checks.values_checked() and mf.numel():
-        lo, hi = torch.aminmax(mf)
-        rows = mf.reshape(shape[0], -1)
-        # within [0, 1] and sum_j m_j^2 == sum_j m_j per row  <=>  every m_j(1 - m_j) = 0 (each term >= 0);
-        # no temporary: two reductions and one row-wise dot product. NaN fails the range test.
-        sq = torch.linalg.vecdot(rows, rows)
-        if not (bool(lo >= 0) and bool(hi <= 1) and torch.equal(sq, lengths)):
+        # sum_j t_j^2 with t_j = m_j - m_j^2 = m_j(1 - m_j): every term is >= 0 and 0 exactly for m_j in {0, 1},
+        # so the sum is 0 iff the mask is 0/1 (no cancellation; NaN and inf make it NaN or inf)
+        t = torch.addcmul(mf, mf, mf, value=-1.0).reshape(-1)
+        if not bool(torch.dot(t, t) == 0):
             _checks.check_mask("mask", mask)  # raises with the offending value
-            raise ValueError("mask: must contain only 0 and 1 (a value within rounding of 0 or 1)")
+            raise ValueError("mask: must contain only 0 and 1")
     return None, mf, lengths
 
 
