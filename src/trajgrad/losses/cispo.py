@@ -85,7 +85,7 @@ def cispo_loss(
         # ratio space (the same bounds exp(log(1 - eps_l)), exp(log(1 + eps_h)); an overflowing
         # ratio is clipped to the finite upper bound)
         em1 = torch.expm1(z)
-        r_hat = torch.clamp(em1 + 1.0, min=math.exp(lo_b), max=math.exp(hi_b))
+        r_hat = em1.add(1.0).clamp_(min=math.exp(lo_b), max=math.exp(hi_b))
         # masked slots hold z = 0, r = 1, inside the bounds: the valid sum is the sum less their count
         r_sum = r_hat.sum() - (r_hat.numel() - x.tokens)
         coef = r_hat.mul_(x.advantages)

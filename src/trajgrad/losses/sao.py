@@ -121,7 +121,7 @@ def sao_dis_loss(
             # one transcendental pass for the weight and the metrics: r = 1 + expm1(z), bounded by
             # 1 + eps_high (finite where it overflows; those tokens are rejected anyway)
             em1 = torch.expm1(z)
-            coef = torch.clamp(em1 + 1.0, max=math.exp(hi_b)).mul_(trusted_f).mul_(x.advantages)
+            coef = em1.add(1.0).clamp_(max=math.exp(hi_b)).mul_(trusted_f).mul_(x.advantages)
     loss = linear_in_logp(coef, x, aggregation, weights=token_weights(weights, x), constant=constant,
                           denominator=denominator)
     metrics = ratio_metrics(z, x, em1=em1)
