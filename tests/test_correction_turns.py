@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trajgrad.correction import rollout_correction, turn_metrics
-from trajgrad.diagnostics import group_stats, mismatch_by_turn
+from trajgrad.turn_stats import group_stats, mismatch_by_turn
 from trajgrad.objective import RECIPES
 from trajgrad.train import updates
 

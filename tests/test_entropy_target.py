@@ -154,3 +154,14 @@ def test_trainer_adapts_logs_and_resumes_the_coefficient_exactly(tmp_path):
     assert resumed[-1]["step"] == 3
     for k in ("entropy_control/coef", "entropy_control/measured", "entropy_control/next_coef", "loss"):
         assert resumed[-1][k] == full[-1][k], k
+
+
+def test_core_rule_names_each_bad_argument():
+    from trajgrad.entropy_control import next_entropy_coef
+
+    assert next_entropy_coef(0.01, 0.2, target=0.7, lr=0.1, coef_max=1.0) == pytest.approx(0.06)
+    for kw, name in ((dict(coef=math.nan), "coef"), (dict(entropy=-1.0), "entropy"), (dict(target=math.inf), "target"),
+                     (dict(lr=0.0), "lr"), (dict(coef_max=0.0), "coef_max"), (dict(lr=True), "lr")):
+        args = {"coef": 0.01, "entropy": 0.2, "target": 0.7, "lr": 0.1, "coef_max": 1.0, **kw}
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            next_entropy_coef(args.pop("coef"), args.pop("entropy"), **args)

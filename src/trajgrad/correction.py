@@ -393,14 +393,14 @@ def turn_metrics(corr: Correction, behaviour_logp: torch.Tensor, target_logp: to
     threshold), ``seq_masked_frac`` (DeepSeek-V3.2), as fractions of :math:`|T_k|` (0 where
     the setting does not use that reason); and ``kl/k1`` :math:`=\overline{-z}`,
     ``kl/k3`` :math:`=\overline{e^z-1-z}`, :math:`z=\log\pi_{target}-\log\mu`. Computed
-    in one scatter pass per quantity (:func:`trajgrad.diagnostics.group_stats`); detached.
+    in one scatter pass per quantity (:func:`trajgrad.turn_stats.group_stats`); detached.
 
     Args:
       corr: the :class:`Correction` of ``(behaviour_logp, target_logp, mask)``.
       behaviour_logp, target_logp: ``[B, L]`` as given to :func:`rollout_correction`.
       mask: ``[B, L]`` action mask; turn_ids: ``[B, L]`` integer turn index of each token.
     """
-    from .diagnostics import group_stats
+    from .turn_stats import group_stats
 
     mb = _checks.check_mask("mask", mask)
     if corr.drops is None:

@@ -106,16 +106,11 @@ class Objective:
       entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
         where ``H`` is the exact entropy of the full sampling distribution (0 = off). With
         ``entropy_target`` set it is the coefficient *now* (the start value in a recipe).
-      entropy_target, entropy_coef_lr, entropy_coef_max: adaptive entropy control (the
-        adaptive entropy coefficient of Skywork-OR1, He et al. 2025, arXiv:2505.22312, in
-        the proportional form of SAC's temperature update, Haarnoja et al. 2018): after every
-        policy step the coefficient moves toward the value that holds the policy's entropy
-        at ``entropy_target`` nats per token,
-        ``c ← clip(c + entropy_coef_lr · (entropy_target − H̄), 0, entropy_coef_max)``, where
-        ``H̄`` is the step's token mean of ``H`` over the action tokens, measured before the
-        step (:meth:`next_entropy_coef`). ``None`` (default): the coefficient is constant.
-        Schedule fields: one loss evaluation uses ``entropy_coef`` only; the trainer carries
-        ``c`` from step to step (:mod:`trajgrad.train.updates`, saved in checkpoints).
+      entropy_target, entropy_coef_lr, entropy_coef_max: adaptive entropy control
+        (:mod:`trajgrad.entropy_control`; Skywork-OR1): after every step
+        ``c ← clip(c + entropy_coef_lr · (entropy_target − H̄), 0, entropy_coef_max)``, ``H̄``
+        the step's token-mean entropy (nats). ``None``: constant. Schedule fields: a loss
+        evaluation reads ``entropy_coef`` only; the trainer carries ``c`` (saved in checkpoints).
       paper: the reference the defaults come from.
       jsd_beta, jsd_normalized: the generalized JSD(β) distillation term (``generalized_jsd``; §14): the
         teacher's weight in the mixture, and how the ends are read — ``"kl_at_ends"`` (TRL's
@@ -298,26 +293,15 @@ class Objective:
         return self.entropy_target is not None
 
     def next_entropy_coef(self, entropy: float) -> float:
-        r"""The coefficient for the next step from the entropy measured in this one.
+        r"""The coefficient for the next step from the entropy measured in this one (nats per
+        token): ``clip(entropy_coef + entropy_coef_lr · (entropy_target − entropy), 0,
+        entropy_coef_max)`` (:func:`trajgrad.entropy_control.next_entropy_coef`)."""
+        from .entropy_control import next_entropy_coef
 
-        .. math::
-            c_{t+1} = \operatorname{clip}\big(c_t + \eta\,(\mathcal H^\star - \bar{\mathcal H}_t),
-            \; 0,\; c_{\max}\big)
-
-        with :math:`c_t` = ``entropy_coef``, :math:`\eta` = ``entropy_coef_lr``,
-        :math:`\mathcal H^\star` = ``entropy_target`` and :math:`\bar{\mathcal H}_t` =
-        ``entropy``, the token mean of the sampling distribution's entropy over the step's
-        action tokens (nats per token). Below the target the bonus grows, above it shrinks,
-        never below 0 (the adaptive entropy control of Skywork-OR1, He et al. 2025, with a
-        step proportional to the gap as in SAC's temperature update, Haarnoja et al. 2018).
-        """
         if not self.adaptive_entropy:
             raise ValueError("entropy_target: is None; the entropy coefficient does not adapt")
-        if isinstance(entropy, bool) or not isinstance(entropy, (int, float)) or not math.isfinite(entropy) \
-                or entropy < 0:
-            raise ValueError(f"entropy: must be a finite number >= 0 (nats per token), got {entropy!r}")
-        c = self.entropy_coef + self.entropy_coef_lr * (self.entropy_target - float(entropy))
-        return float(min(max(c, 0.0), self.entropy_coef_max))
+        return next_entropy_coef(self.entropy_coef, entropy, target=self.entropy_target, lr=self.entropy_coef_lr,
+                                 coef_max=self.entropy_coef_max)
 
     # ------------------------------------------------------------------ advantages
     def sequence_advantages(self, rewards: torch.Tensor, group_ids: Optional[torch.Tensor] = None):

@@ -28,7 +28,8 @@ from .. import credit
 from .. import distributed as dist_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
 from ..correction import turn_metrics
-from ..diagnostics import explained_variance, mismatch_by_turn
+from ..diagnostics import explained_variance
+from ..turn_stats import mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs
 from ..losses import kl_estimate, sequence_logp
 from ..objective import Objective
