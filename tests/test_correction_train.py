@@ -77,8 +77,11 @@ def test_two_steps_with_each_mode_and_kind_log_finite_metrics(name, tmp_path):
         turns = sorted({k.split("/")[1] for k in r if k.startswith("correction/turn")})
         assert turns and turns[0] == "turn0", r
         for t in turns:
-            for key in ("weight/mean", "weight/min", "weight/max", "ess", "kept_frac", "dropped_frac", "kl/k1", "kl/k3"):
+            for key in ("weight/mean", "weight/min", "weight/max", "ess", "kept_frac", "dropped_frac", "kl/k1", "kl/k3",
+                        "truncated_frac", "masked_frac", "rejected_frac", "seq_masked_frac"):
                 assert math.isfinite(r[f"correction/{t}/{key}"]), (t, key)
+            # the sampler-learner mismatch per turn, with or without a correction
+            assert r[f"mismatch/{t}/kl_k3"] > 0 and math.isfinite(r[f"mismatch/{t}/kl_k1"]), t
         assert math.isfinite(r["loss"])
         # the sampler drew at 1.6, the learner assumes 1.0: the mismatch is there and measured
         assert r["correction/kl/k3"] > 1e-5

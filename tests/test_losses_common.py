@@ -105,3 +105,24 @@ def test_unit_weights_change_nothing_and_zero_weights_keep_the_denominator(name,
     bad[0, 0] = math.nan
     with pytest.raises(ValueError, match="weights"):
         fn(logp, old, adv, mask, weights=bad)
+
+
+@pytest.mark.parametrize("name,fn", CASES, ids=[c[0] for c in CASES])
+def test_a_mask_value_near_but_not_0_or_1_raises(name, fn):
+    """The 0/1 test of a float mask is a sum of non-negative terms m(1 − m)²...: values within
+    rounding of 0 or 1, out of range, NaN or inf all raise; −0.0 is a valid 0."""
+    logp, old, adv, mask = batch()
+    for bad in (1 - 1e-12, 1e-12, 1 + 1e-9, -1e-9, 2.0, -1.0, math.nan, math.inf, -math.inf, 1e200):
+        m = mask.clone()
+        m[1, 3] = bad
+        with pytest.raises(ValueError, match="^mask"):
+            fn(logp, old, adv, m)
+    m32 = mask.to(torch.float32)
+    m32[2, 2] = 1 - 2 ** -20
+    with pytest.raises(ValueError, match="^mask"):
+        fn(logp, old, adv, m32)
+    m = mask.clone()
+    m[m == 0] = -0.0
+    a, _ = run(fn, logp, old, adv, m)
+    b, _ = run(fn, logp, old, adv, mask)
+    assert torch.equal(a.loss, b.loss)

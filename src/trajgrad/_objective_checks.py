@@ -56,6 +56,13 @@ def validate(o) -> None:
     _finite_positive("kl_coef", o.kl_coef, allow_zero=True)
     _finite_positive("std_eps", o.std_eps, allow_zero=True)
     _finite_positive("entropy_coef", o.entropy_coef, allow_zero=True)
+    if o.entropy_target is not None:
+        _finite_positive("entropy_target", o.entropy_target, allow_zero=True)
+    _finite_positive("entropy_coef_lr", o.entropy_coef_lr)
+    _finite_positive("entropy_coef_max", o.entropy_coef_max)
+    if o.entropy_target is not None and o.entropy_coef > o.entropy_coef_max:
+        raise ValueError(f"entropy_coef: must lie in [0, entropy_coef_max = {o.entropy_coef_max:g}] when the "
+                         f"coefficient adapts, got {o.entropy_coef:g}")
     for f in ("gamma", "lam"):
         _finite_positive(f, getattr(o, f), allow_zero=True)
         _checks.check_in_range(f, getattr(o, f), 0.0, 1.0)
@@ -86,6 +93,8 @@ def validate(o) -> None:
             raise ValueError(f"kl_placement: loss {o.loss!r} ({term.kind}) takes no KL term; use 'none'")
         if o.entropy_coef:
             raise ValueError(f"entropy_coef: loss {o.loss!r} ({term.kind}) takes no entropy bonus")
+        if o.entropy_target is not None:
+            raise ValueError(f"entropy_target: loss {o.loss!r} ({term.kind}) takes no entropy bonus")
         if est.level != "none":
             raise ValueError(f"advantage: loss {o.loss!r} ({term.kind}) takes no advantage; use 'none'")
     elif est.level == "none":

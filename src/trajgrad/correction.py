@@ -97,11 +97,15 @@ class Correction(NamedTuple):
       weight: ``[B, L]`` detached weight; 0 at masked, masked-IS and rejected positions.
       keep: ``[B, L]`` bool, ``mask`` and not dropped.
       metrics: dict of detached 0-D tensors (prefix ``correction/``).
+      drops: ``[B, L]`` bool per reason — ``truncated`` (TIS weight at the cap), ``masked``
+        (outside the MIS bounds), ``rejected`` (divergence threshold), ``seq_masked``
+        (DeepSeek-V3.2) — the sets the ``*_frac`` metrics count (:func:`turn_metrics`).
     """
 
     weight: torch.Tensor
     keep: torch.Tensor
     metrics: Dict[str, torch.Tensor]
+    drops: Optional[Dict[str, torch.Tensor]] = None  # [B, L] bool: truncated, masked, rejected, seq_masked
 
     def apply(self, per_token: torch.Tensor) -> torch.Tensor:
         """``per_token * weight`` by selection: dropped and masked slots become exactly 0."""
@@ -374,9 +378,56 @@ def rollout_correction(
             "correction/kl/k1": -z.sum() / d,
             "correction/kl/k3": (torch.expm1(z) - z).sum() / d,
         }
-    return Correction(weight.detach(), keep, metrics)
+    drops = {"truncated": truncated, "masked": masked, "rejected": rejected, "seq_masked": seq_masked}
+    return Correction(weight.detach(), keep, metrics, drops)
+
+
+def turn_metrics(corr: Correction, behaviour_logp: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor,
+                 turn_ids: torch.Tensor, *, prefix: str = "correction/") -> Dict[str, float]:
+    r"""The correction's metrics restricted to each turn's action tokens (§16).
+
+    For each turn index :math:`k` present at a valid token, over the tokens :math:`T_k` of
+    that turn: ``{prefix}turn{k}/weight/mean|min|max``; ``ess`` :math:`=(\sum w)^2/\sum w^2/|T_k|`
+    (Kish); ``kept_frac`` and ``dropped_frac``; each reason separately — ``truncated_frac``
+    (TIS, :math:`\rho>C`), ``masked_frac`` (MIS bounds), ``rejected_frac`` (divergence
+    threshold), ``seq_masked_frac`` (DeepSeek-V3.2), as fractions of :math:`|T_k|` (0 where
+    the setting does not use that reason); and ``kl/k1`` :math:`=\overline{-z}`,
+    ``kl/k3`` :math:`=\overline{e^z-1-z}`, :math:`z=\log\pi_{target}-\log\mu`. Computed
+    in one scatter pass per quantity (:func:`trajgrad.turn_stats.group_stats`); detached.
+
+    Args:
+      corr: the :class:`Correction` of ``(behaviour_logp, target_logp, mask)``.
+      behaviour_logp, target_logp: ``[B, L]`` as given to :func:`rollout_correction`.
+      mask: ``[B, L]`` action mask; turn_ids: ``[B, L]`` integer turn index of each token.
+    """
+    from .turn_stats import group_stats
+
+    mb = _checks.check_mask("mask", mask)
+    if corr.drops is None:
+        raise ValueError("corr: has no per-reason drop masks (build it with rollout_correction)")
+    with torch.no_grad():
+        beh = torch.where(mb, _checks.as_tensor("behaviour_logp", behaviour_logp).detach().double(), 0.0)
+        tgt = torch.where(mb, _checks.as_tensor("target_logp", target_logp).detach().double(), 0.0)
+        z = tgt - beh
+        w = corr.weight.detach().double()
+        vals = {"w": w, "w2": w * w, "keep": corr.keep.double(), "k1": -z, "k3": torch.expm1(z) - z}
+        vals.update({r: corr.drops[r].double() for r in ("truncated", "masked", "rejected", "seq_masked")})
+        ids, n, sums, mins, maxs = group_stats(vals, mb, turn_ids, extrema=("w",))
+    out: Dict[str, float] = {}
+    for j, k in enumerate(ids):
+        p, nj = f"{prefix}turn{k}/", float(n[j])
+        sw, sq = float(sums["w"][j]), float(sums["w2"][j])
+        kept = float(sums["keep"][j]) / nj
+        out.update({p + "weight/mean": sw / nj, p + "weight/min": float(mins["w"][j]),
+                    p + "weight/max": float(maxs["w"][j]), p + "ess": sw * sw / sq / nj if sq > 0 else 0.0,
+                    p + "kept_frac": kept, p + "dropped_frac": 1.0 - kept,
+                    p + "kl/k1": float(sums["k1"][j]) / nj, p + "kl/k3": float(sums["k3"][j]) / nj})
+        for r in ("truncated", "masked", "rejected", "seq_masked"):
+            out[p + r + "_frac"] = float(sums[r][j]) / nj
+    return out
 
 
 OFF = RolloutCorrection(kind="none")  # the no-op setting: Objective's default ("None = off")
 
-__all__ = ["OFF", "Correction", "RolloutCorrection", "rollout_correction", "KINDS", "LEVELS", "MODES", "REJECT"]
+__all__ = ["OFF", "Correction", "RolloutCorrection", "rollout_correction", "turn_metrics", "KINDS", "LEVELS", "MODES",
+           "REJECT"]

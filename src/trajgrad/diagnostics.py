@@ -13,6 +13,9 @@ Every function here returns *detached* tensors and never a silent NaN.
 ``effective_sample_size``   :math:`(\sum w)^2/\sum w^2` of importance weights, computed in
                             log space
 ``zero_variance_fraction``  fraction of reward groups with no relative signal (§11)
+``group_stats``             per-group (per-turn) sums, minima and maxima of per-token
+                            quantities (:mod:`trajgrad.turn_stats`)
+``mismatch_by_turn``        sampler–learner mismatch k1 and k3 per turn (:mod:`trajgrad.turn_stats`)
 ==========================  ==============================================================
 """
 from __future__ import annotations
@@ -214,8 +217,14 @@ def _fast_policy_metrics(
     hi_b: Optional[float] = None,
     prefix: str = "",
     quantiles: Optional[bool] = None,
+    sum_z: Optional[torch.Tensor] = None,
+    em1: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """:func:`policy_metrics` on sanitized inputs: ``z`` and ``adv`` exactly 0 at masked slots.
+
+    ``sum_z`` (optional): the sum of ``z``, when the caller has it (saves a pass).
+    ``em1`` (optional): ``torch.expm1(z)`` in ``z``'s dtype, when the caller has formed it
+    (a loss whose weight is the ratio derives it from this one transcendental pass).
 
     ``maskf`` is the 0/1 mask as floats (``mask``, the bool one, is not read), ``tokens`` its sum; ``ratio`` (optional) is
     ``exp(z)`` already computed by the caller. Every statistic is a sum or an extremum
@@ -223,6 +232,9 @@ def _fast_policy_metrics(
     """
     with torch.no_grad():
         z = _metric_dtype(z.detach())
+        if z.numel() <= _SMALL and z.device.type == "cpu" and not (_LOSS_QUANTILES if quantiles is None else quantiles):
+            out = _small_policy_metrics(z, adv, maskf, lo_b, hi_b)
+            return {prefix + k: v for k, v in out.items()} if prefix else out
         dt = z.dtype
         n = tokens.to(dt)
         d = n.clamp_min(1.0)
@@ -231,8 +243,8 @@ def _fast_policy_metrics(
         zero = torch.zeros((), dtype=dt, device=z.device)
         # one elementwise pass: e^z - 1 (0 at masked slots, where z = 0) gives both the mean
         # ratio (sum + N) and k3 = mean(e^z - 1 - z) (sum - sum z)
-        em1 = torch.expm1(z)
-        sum_z = z.sum()
+        em1 = torch.expm1(z) if em1 is None else em1.detach().to(dt)
+        sum_z = z.sum() if sum_z is None else sum_z.detach().to(dt)
         sum_em1 = em1.sum()
         out: Dict[str, torch.Tensor] = {"tokens": n, "ratio/mean": torch.where(has, (sum_em1 + n) / d, one)}
         mf = maskf.to(dt)
@@ -266,6 +278,48 @@ def _fast_policy_metrics(
     if prefix:
         out = {prefix + k: v for k, v in out.items()}
     return out
+
+
+# below this many entries (one per sequence: GSPO, GMPO, sequence-level SAPO) the metrics are
+# computed in float64 by the interpreter from one copy of the values: some fifty tensor
+# operations on a handful of numbers cost more in dispatch than the arithmetic
+_SMALL = 256
+
+
+def _small_policy_metrics(z: torch.Tensor, adv: torch.Tensor, maskf: torch.Tensor, lo_b, hi_b) -> Dict[str, torch.Tensor]:
+    """The keys and formulas of :func:`_fast_policy_metrics` for a small CPU ``z`` (0 at masked slots)."""
+    dt = z.dtype
+    zs, ms = z.reshape(-1).tolist(), maskf.reshape(-1).tolist()
+    valid = [v for v, m in zip(zs, ms) if m != 0]
+    n = float(len(valid))
+    d = max(n, 1.0)
+    sum_z = math.fsum(valid)
+    sum_em1 = math.fsum(math.expm1(v) if v < 709.0 else math.inf for v in valid)
+    has = n > 0
+    keys = ["tokens", "ratio/mean", "ratio/min", "ratio/max", "kl/k1", "kl/k3"]
+    def exp(v: float) -> float:
+        return math.exp(v) if v < 709.0 else math.inf
+
+    vals = [n, (sum_em1 + n) / d if has else 1.0, exp(min(valid)) if has else 1.0, exp(max(valid)) if has else 1.0,
+            -sum_z / d, max(sum_em1 - sum_z, 0.0) / d]
+    if lo_b is not None:
+        advs = adv.reshape(-1).tolist()
+        ph = pl = nh = nl = 0
+        high = low = 0
+        for v, a in zip(zs, advs):  # masked slots: z = 0 inside every range, A = 0
+            h, lo = v > hi_b, v < lo_b
+            high += h
+            low += lo
+            if a > 0:
+                ph += h
+                pl += lo
+            elif a < 0:
+                nh += h
+                nl += lo
+        keys += ["clip_frac/pos_high", "clip_frac/pos_low", "clip_frac/neg_high", "clip_frac/neg_low", "clip_frac",
+                 "ratio/out_of_range_frac"]
+        vals += [ph / d, pl / d, nh / d, nl / d, (ph + nl) / d, (high + low) / d]
+    return dict(zip(keys, torch.tensor(vals, dtype=dt, device=z.device).unbind()))
 
 
 def _valid_pair(returns, values, mask):
@@ -413,3 +467,7 @@ __all__ = [
     "effective_sample_size",
     "zero_variance_fraction",
 ]
+
+
+# per-turn statistics live in their own module; kept importable from here
+from .turn_stats import group_stats, mismatch_by_turn  # noqa: E402,F401

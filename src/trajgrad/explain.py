@@ -99,9 +99,17 @@ def sections(recipe: "str | Objective", **overrides: Any) -> Dict[str, str]:
         vc = f"clipped to ±{o.value_clip:g} around the old value" if o.value_clip is not None else "unclipped"
         s["critic"] = (f"value loss ½ (V − sg[R̂])² ({vc}), token mean, own optimizer and backward pass; "
                        f"{o.critic_updates} critic update(s) per actor update")
-    if o.entropy_coef:
+    if o.entropy_coef and not o.adaptive_entropy:
         s["entropy bonus"] = (f"− {o.entropy_coef:g} · aggregate(H(π_θ)),  H = exact entropy of the full sampling "
                               "distribution (same aggregation and denominator)")
+    if o.adaptive_entropy and o.kind == "token":
+        s["entropy bonus"] = (f"− c · aggregate(H(π_θ)),  H = exact entropy of the full sampling distribution "
+                              "(same aggregation and denominator);  c = " + f"{o.entropy_coef:g} now\n"
+                              f"    c adapts after every step (adaptive entropy control, Skywork-OR1): "
+                              f"c ← clip(c + {o.entropy_coef_lr:g} · ({o.entropy_target:g} − H̄), 0, "
+                              f"{o.entropy_coef_max:g}),\n"
+                              "    H̄ = token mean of H over the step's action tokens before the step (nats/token); "
+                              "c is not differentiated")
     if o.dynamic_sampling:
         s["dynamic sampling"] = ("groups whose rewards have zero variance are resampled; each discarded group and the "
                                  "tokens it cost are logged (this changes which prompts enter the update, §11)")

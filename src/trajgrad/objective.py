@@ -53,7 +53,10 @@ CLIP_COV_HIGH = 5.0  # Clip-Cov's upper covariance bound (Cui et al. 2025)
 # fields every recipe reads (the rest are read only by the entries or modes that declare them)
 _ALWAYS = ("name", "loss", "advantage", "aggregation", "kl_placement", "entropy_coef", "group_size", "paper")
 # fields that set the training schedule, not the value of one loss evaluation
-SCHEDULE_FIELDS = ("group_size", "dynamic_sampling", "critic_updates")
+SCHEDULE_FIELDS = ("group_size", "dynamic_sampling", "critic_updates", "entropy_target", "entropy_coef_lr",
+                   "entropy_coef_max")
+# the adaptive entropy coefficient's fields, read once a target is set
+_ENTROPY_TARGET_FIELDS = ("entropy_coef_lr", "entropy_coef_max")
 
 
 def _finite_positive(name: str, value, *, allow_zero: bool = False) -> None:
@@ -101,7 +104,13 @@ class Objective:
       value_clip: PPO value-clipping range (``None`` = off); the critic's loss is
         :meth:`value_loss`, in its own backward pass and optimizer.
       entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
-        where ``H`` is the exact entropy of the full sampling distribution (0 = off).
+        where ``H`` is the exact entropy of the full sampling distribution (0 = off). With
+        ``entropy_target`` set it is the coefficient *now* (the start value in a recipe).
+      entropy_target, entropy_coef_lr, entropy_coef_max: adaptive entropy control
+        (:mod:`trajgrad.entropy_control`; Skywork-OR1): after every step
+        ``c ← clip(c + entropy_coef_lr · (entropy_target − H̄), 0, entropy_coef_max)``, ``H̄``
+        the step's token-mean entropy (nats). ``None``: constant. Schedule fields: a loss
+        evaluation reads ``entropy_coef`` only; the trainer carries ``c`` (saved in checkpoints).
       paper: the reference the defaults come from.
       jsd_beta, jsd_normalized: the generalized JSD(β) distillation term (``generalized_jsd``; §14): the
         teacher's weight in the mixture, and how the ends are read — ``"kl_at_ends"`` (TRL's
@@ -166,6 +175,9 @@ class Objective:
     critic_updates: int = 1
     value_clip: Optional[float] = None
     entropy_coef: float = 0.0
+    entropy_target: Optional[float] = None
+    entropy_coef_lr: float = 0.01
+    entropy_coef_max: float = 0.05
     paper: str = ""
     jsd_beta: float = 0.5
     jsd_normalized: str = "kl_at_ends"
@@ -247,7 +259,9 @@ class Objective:
         if self.group_size > 1 or self.estimator.min_group > 1:
             f.append("dynamic_sampling")
         if self.term.kind == "token":
-            f.append("rollout_correction")
+            f += ["rollout_correction", "entropy_target"]
+            if self.entropy_target is not None:
+                f += list(_ENTROPY_TARGET_FIELDS)
         return tuple(dict.fromkeys(f))
 
     def replace(self, **changes: Any) -> "Objective":
@@ -271,6 +285,23 @@ class Objective:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ adaptive entropy control
+    @property
+    def adaptive_entropy(self) -> bool:
+        """The entropy coefficient adapts to ``entropy_target`` from step to step."""
+        return self.entropy_target is not None
+
+    def next_entropy_coef(self, entropy: float) -> float:
+        r"""The coefficient for the next step from the entropy measured in this one (nats per
+        token): ``clip(entropy_coef + entropy_coef_lr · (entropy_target − entropy), 0,
+        entropy_coef_max)`` (:func:`trajgrad.entropy_control.next_entropy_coef`)."""
+        from .entropy_control import next_entropy_coef
+
+        if not self.adaptive_entropy:
+            raise ValueError("entropy_target: is None; the entropy coefficient does not adapt")
+        return next_entropy_coef(self.entropy_coef, entropy, target=self.entropy_target, lr=self.entropy_coef_lr,
+                                 coef_max=self.entropy_coef_max)
 
     # ------------------------------------------------------------------ advantages
     def sequence_advantages(self, rewards: torch.Tensor, group_ids: Optional[torch.Tensor] = None):
@@ -343,6 +374,8 @@ class Objective:
         the full sampling distribution, ``[B, L]``, *with* its gradient) is required. Every
         term uses the recipe's aggregation and the same ``denominator``, so micro-batches and
         ranks sum to the full-batch loss (§13). DPO: :meth:`dpo_loss`; OPD: :meth:`distill_loss`.
+        With ``entropy_target`` set, :math:`c_H` is ``entropy_coef``, the coefficient of the
+        current step (the trainer evaluates ``replace(entropy_coef=c_t)``).
 
         **Rollout correction** (``rollout_correction`` set; needs ``behaviour_logp``): in
         ``"decoupled"`` mode the term's ratio stays against ``old_logp`` and each token's term

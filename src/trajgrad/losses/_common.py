@@ -8,7 +8,10 @@ times the spec's four-line code. This module takes a *fast path* that is exact:
 1. One sum per input over the *whole* tensor (valid and masked slots) tells whether
    every stored value is finite (a NaN or ±inf anywhere makes the sum non-finite; a sum
    that overflows from finite values only sends us to the slow path, never wrongly
-   to the fast one).
+   to the fast one). A loss whose metrics are means of its inputs asks for
+   ``valid_sums``: the check is then one dot product per input with the 0/1 mask, which
+   is non-finite under the same condition (IEEE: :math:`\mathrm{NaN}\cdot0=\pm\infty\cdot0
+   =\mathrm{NaN}`) and *is* the sum over the valid tokens the metrics need.
 2. If every value is finite, ``x * mask`` equals ``torch.where(mask, x, 0)`` exactly, in
    value and in gradient (the gradient of a product with a 0/1 constant is that 0/1
    constant), so inputs are zeroed at masked slots by multiplication. The masking rule of
@@ -18,10 +21,10 @@ times the spec's four-line code. This module takes a *fast path* that is exact:
    non-finite value at a *valid* position raises ``ValueError`` naming the argument) and
    zeroed by selection, as before.
 
-A float mask is checked to be 0/1 without a temporary: its range is :math:`[0, 1]` and, per
-row, :math:`\sum_jm_j^2=\sum_jm_j`; with every :math:`m_j(1-m_j)\ge0` that holds only for 0/1
-(up to float rounding of a row's count: a value closer than about :math:`10^{-4}` to 0 or 1
-in a row of 4,096 may pass). NaN fails the range test.
+A float mask is checked to be 0/1 in two passes: :math:`\sum_j t_j^2 = 0` with
+:math:`t_j=m_j(1-m_j)`, a sum of non-negative terms, each 0 exactly when :math:`m_j\in\{0,1\}`
+(no cancellation: a value :math:`\delta` away from 0 or 1 is found for any
+:math:`\delta>10^{-19}` in float32; NaN and ±inf make the sum NaN or inf).
 """
 from __future__ import annotations
 
@@ -42,10 +45,10 @@ class Inputs:
     """
 
     __slots__ = ("raw_logp", "maskf", "_advantages", "raw_behaviour", "lengths", "tokens", "adv_seq", "finite",
-                 "_mask", "_logp", "_behaviour", "_z")
+                 "_mask", "_logp", "_behaviour", "_z", "sums")
 
     def __init__(self, raw_logp, mask, maskf, advantages, raw_behaviour, lengths, tokens, adv_seq, finite,
-                 logp=None, behaviour=None):
+                 logp=None, behaviour=None, sums=None):
         self.raw_logp = raw_logp  # [B, L] attached; finite everywhere when ``finite``
         self.maskf = maskf  # [B, L] 0/1 in logp's dtype
         self._advantages = advantages  # [B, L] detached, exactly 0 at masked slots (None: from adv_seq)
@@ -58,6 +61,9 @@ class Inputs:
         self._logp = logp
         self._behaviour = behaviour
         self._z = None
+        # detached 0-D sums over the valid tokens ("logp", "advantages", "behaviour"), by the
+        # finiteness check on the fast path with valid_sums (None otherwise)
+        self.sums = sums
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -95,6 +101,22 @@ class Inputs:
         """
         return self.raw_logp if self.finite else self.logp
 
+    def valid_total(self, key: str) -> torch.Tensor:
+        """Detached sum over the valid tokens of ``"logp"``, ``"advantages"`` or ``"behaviour"``
+        (formed by the check with ``prepare(..., valid_sums=True)``, else summed here)."""
+        if self.sums is not None:
+            return self.sums[key]
+        with torch.no_grad():
+            t = {"logp": self.logp, "advantages": self.advantages, "behaviour": self.behaviour}[key]
+            return t.detach().sum()
+
+    def row_log_ratio(self) -> torch.Tensor:
+        r"""``[B]`` attached :math:`\sum_t(\ell^\theta_t-\mathrm{sg}[\ell^{old}_t])` over each row's valid
+        tokens (the difference is formed first: no cancellation between two large sums)."""
+        if self.finite and self._z is None:
+            return torch.linalg.vecdot(self.raw_logp - self.raw_behaviour, self.maskf)
+        return self.log_ratio().sum(-1)
+
     def log_ratio(self) -> torch.Tensor:
         r"""``[B, L]`` attached :math:`\ell^\theta-\mathrm{sg}[\ell^{old}]`, exactly 0 at masked slots."""
         if self._z is None:
@@ -106,22 +128,23 @@ class Inputs:
 
 
 def _as_mask(mask, shape, dtype) -> tuple:
-    """``(bool mask or None, float mask)``; a non-bool mask is checked to be 0/1 (see the module docstring)."""
+    """``(bool mask or None, float mask, [B] row counts)``; a non-bool mask is checked to be 0/1
+    (see the module docstring); the row counts of the check are the lengths."""
     mask = _checks.as_tensor("mask", mask)
     _checks.check_shape("mask", mask, shape)
     if mask.dtype == torch.bool:
-        return mask, mask.to(dtype)
+        mf = mask.to(dtype)
+        return mask, mf, mf.sum(-1)
     mf = mask.to(dtype)
+    lengths = mf.sum(-1)
     if _checks.values_checked() and mf.numel():
-        lo, hi = torch.aminmax(mf)
-        rows = mf.reshape(shape[0], -1)
-        # within [0, 1] and sum_j m_j^2 == sum_j m_j per row  <=>  every m_j(1 - m_j) = 0 (each term >= 0);
-        # no temporary: two reductions and one row-wise dot product. NaN fails the range test.
-        sq = torch.linalg.vecdot(rows, rows)
-        if not (bool(lo >= 0) and bool(hi <= 1) and torch.equal(sq, rows.sum(-1))):
+        # sum_j t_j^2 with t_j = m_j - m_j^2 = m_j(1 - m_j): every term is >= 0 and 0 exactly for m_j in {0, 1},
+        # so the sum is 0 iff the mask is 0/1 (no cancellation; NaN and inf make it NaN or inf)
+        t = torch.addcmul(mf, mf, mf, value=-1.0).reshape(-1)
+        if not bool(torch.dot(t, t) == 0):
             _checks.check_mask("mask", mask)  # raises with the offending value
-            raise ValueError("mask: must contain only 0 and 1 (a value within rounding of 0 or 1)")
-    return None, mf
+            raise ValueError("mask: must contain only 0 and 1")
+    return None, mf, lengths
 
 
 def prepare(
@@ -133,14 +156,18 @@ def prepare(
     behaviour=None,
     behaviour_name: Optional[str] = None,
     advantages_name: str = "advantages",
+    valid_sums: bool = False,
 ) -> Inputs:
-    """Validate and sanitize the inputs of a policy loss (see the module docstring)."""
+    """Validate and sanitize the inputs of a policy loss (see the module docstring).
+
+    ``valid_sums``: make the finiteness check the valid-token sums (:meth:`Inputs.valid_total`).
+    """
     _checks.check_choice("aggregation", aggregation, MODES)
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
     shape = tuple(logp.shape)
-    mb, mf = _as_mask(mask, shape, logp.dtype)
+    mb, mf, lengths = _as_mask(mask, shape, logp.dtype)
     adv = _checks.as_tensor(advantages_name, advantages).detach()
     _checks.check_ndim(advantages_name, adv, (1, 2))
     _checks.check_floating(advantages_name, adv)
@@ -156,17 +183,27 @@ def prepare(
         _checks.check_floating(behaviour_name, beh)
         _checks.check_shape(behaviour_name, beh, shape, against="mask")
         beh = beh.to(logp.dtype)
-    with torch.no_grad():
-        total = logp.detach().sum() + adv.sum()
-        if beh is not None:
-            total = total + beh.sum()
-        finite = bool(torch.isfinite(total))
     adv = adv.to(logp.dtype)
-    lengths = mf.sum(-1)
+    with torch.no_grad():
+        sums = None
+        if valid_sums:
+            # each product is non-finite iff a stored value is (valid or masked slot): the check and the valid sums
+            flat_m = mf.reshape(-1)
+            sums = {"logp": torch.dot(logp.detach().reshape(-1), flat_m),
+                    "advantages": torch.dot(adv, lengths) if adv.ndim == 1 else torch.dot(adv.reshape(-1), flat_m)}
+            if beh is not None:
+                sums["behaviour"] = torch.dot(beh.reshape(-1), flat_m)
+            total = sum(sums.values())
+        else:
+            total = logp.detach().sum() + adv.sum()
+            if beh is not None:
+                total = total + beh.sum()
+        finite = bool(torch.isfinite(total))
     if finite:
+        tokens = lengths.sum()
         if adv.ndim == 1:
-            return Inputs(logp, mb, mf, None, beh, lengths, lengths.sum(), adv, True)
-        return Inputs(logp, mb, mf, adv * mf, beh, lengths, lengths.sum(), None, True)
+            return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums)
+        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums)
     mb = mf.bool() if mb is None else mb
     logp_s = _checks.per_token("logp", logp, shape, mb)
     adv_seq = None
@@ -238,6 +275,29 @@ def _count(x: Inputs, mode: str, denominator, like: torch.Tensor) -> torch.Tenso
     return (x.lengths > 0).sum().to(like.dtype).clamp_min(1.0)
 
 
+def linear_in_logp(coef: torch.Tensor, x: Inputs, mode: str, *, weights=None, constant=None,
+                   denominator=None) -> torch.Tensor:
+    r""":math:`-\operatorname{agg}(c\cdot\ell^\theta)` for a coefficient ``coef`` exactly 0 at
+    masked slots, by dot products: no ``[B, L]`` term is formed, and the backward pass is
+    the single product :math:`-c\,g/D`.
+
+    Equal in value and gradient to ``-aggregate_tokens(coef * x.logp_factor, ...)``.
+    ``weights`` (from :func:`token_weights`) multiply ``coef`` (a detached ``coef`` is
+    scaled in place: pass one the caller owns).
+    """
+    check_aggregation(mode, constant)
+    if weights is not None:
+        coef = coef.mul_(weights) if not coef.requires_grad else coef * weights
+    lp = x.logp_factor
+    if mode == "seq_mean_token_mean":
+        numerator = (torch.linalg.vecdot(coef, lp) / x.lengths.clamp_min(1)).sum()
+    else:
+        numerator = torch.dot(coef.reshape(-1), lp.reshape(-1))
+        if mode == "seq_sum_constant":
+            numerator = numerator / (float(constant) if constant is not None else float(lp.shape[-1]))
+    return -(numerator / _count(x, mode, denominator, lp))
+
+
 def sequence_advantages(x: Inputs, name: str = "advantages", loss: str = "GSPO") -> torch.Tensor:
     """``[B]`` advantage of each sequence (0 on empty rows); raises unless constant per sequence."""
     if x.adv_seq is not None:
@@ -264,16 +324,22 @@ def ratio_metrics(
     lo_b: Optional[float] = None,
     hi_b: Optional[float] = None,
     prefix: str = "",
+    sum_z: Optional[torch.Tensor] = None,
+    em1: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """The :func:`trajgrad.diagnostics.policy_metrics` keys for a sanitized log ratio.
 
+    ``em1`` (optional): ``expm1(z)``, formed by the caller (not modified).
+
     ``z`` is ``[B, L]``, detached, exactly 0 at masked positions; ``ratio`` (optional)
-    its exponential. Clip fractions are added when ``lo_b``/``hi_b`` are given.
+    its exponential; ``sum_z`` (optional) its sum, when the caller has it.
+    Clip fractions are added when ``lo_b``/``hi_b`` are given.
     """
     from ..diagnostics import _fast_policy_metrics
 
     return _fast_policy_metrics(
-        z, x.advantages, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b, prefix=prefix
+        z, x.advantages, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b, prefix=prefix, sum_z=sum_z,
+        em1=em1,
     )
 
 
@@ -310,4 +376,4 @@ WEIGHTS_DOC = """weights: optional ``[B, L]`` per-token multiplier of the per-to
         with weight 0 leaves the numerator but keeps its place in the denominator."""
 
 __all__ = ["Inputs", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",
-           "token_weights", "weighted", "valid_sum"]
+           "token_weights", "weighted", "valid_sum", "linear_in_logp"]

@@ -12,7 +12,7 @@ import torch
 
 from ..diagnostics import _log_bound
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
+from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
 
 def cispo_loss(
@@ -81,17 +81,23 @@ def cispo_loss(
     w = token_weights(weights, x)
     with torch.no_grad():
         z = x.log_ratio().detach()  # 0 at masked positions
-        r_hat = torch.clamp(z, min=lo_b, max=hi_b).exp_()
-        r_sum = torch.dot(r_hat.reshape(-1), x.maskf.reshape(-1))
+        # one transcendental pass serves the weight and the metrics: r = 1 + expm1(z), clipped in
+        # ratio space (the same bounds exp(log(1 - eps_l)), exp(log(1 + eps_h)); an overflowing
+        # ratio is clipped to the finite upper bound)
+        em1 = torch.expm1(z)
+        r_hat = em1.add(1.0).clamp_(min=math.exp(lo_b), max=math.exp(hi_b))
+        # masked slots hold z = 0, r = 1, inside the bounds: the valid sum is the sum less their count
+        r_sum = r_hat.sum() - (r_hat.numel() - x.tokens)
         coef = r_hat.mul_(x.advantages)
-    term = coef * x.logp_factor  # the negation is applied to the scalar
-    loss = -aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
-    metrics = ratio_metrics(z, x)
+    loss = linear_in_logp(coef, x, aggregation, weights=w, constant=constant, denominator=denominator)
+    metrics = ratio_metrics(z, x, em1=em1)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
-        metrics["weight/clipped_high"] = (z - hi_b).sign_().relu_().sum().to(dt) / n  # count of z > hi_b
         zero = torch.zeros((), dtype=dt, device=z.device)
+        # count of z > hi_b; none when the largest ratio is below the bound (with a margin for its rounding)
+        none_high = bool(metrics["ratio/max"] < math.exp(hi_b) * (1 - 1e-5))
+        metrics["weight/clipped_high"] = zero if none_high else (z - hi_b).sign_().relu_().sum().to(dt) / n
         metrics["weight/clipped_low"] = (lo_b - z).sign_().relu_().sum().to(dt) / n if lo_b > -math.inf else zero
         metrics["weight/mean"] = r_sum.to(dt) / n
     return LossResult(loss, metrics)

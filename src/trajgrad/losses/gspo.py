@@ -82,7 +82,7 @@ def gspo_loss(
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
-    log_s = x.log_ratio().sum(-1) / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
+    log_s = x.row_log_ratio() / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
     j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
     w = token_weights(weights, x)
     if w is None:

@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, token_weights, valid_sum, weighted
+from ._common import linear_in_logp, prepare, token_weights
 
 
 class _Inputs(NamedTuple):
@@ -69,16 +69,18 @@ def reinforce_loss(
       ``LossResult(loss, metrics)``; metrics ``tokens``, ``advantage/mean``,
       ``logp/mean`` (valid-token means, detached).
     """
-    x = prepare(logp, mask, advantages, aggregation=aggregation)
-    term = x.advantages * x.logp_factor  # the negation is applied to the scalar
-    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, valid_sums=True)
+    w = token_weights(weights, x)
+    coef = x.advantages if w is None else x.advantages * w  # detached, 0 at masked slots
+    loss = linear_in_logp(coef, x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         n = x.tokens
         d = n.clamp_min(1)
+        # the valid sums the finiteness check already formed (sums of the sanitized tensors otherwise)
         metrics = {
             "tokens": n,
-            "advantage/mean": x.advantages.sum() / d,
-            "logp/mean": valid_sum(x.raw_logp.detach(), x) / d,
+            "advantage/mean": x.valid_total("advantages") / d,
+            "logp/mean": x.valid_total("logp") / d,
         }
     return LossResult(loss, metrics)
 

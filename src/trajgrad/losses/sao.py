@@ -7,13 +7,14 @@ outside a wide trust interval are *rejected* (weight 0), not clipped to the boun
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from .. import _checks
 from ..types import LossResult
-from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
+from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 from .ppo import _clip_bounds
 
 RATIO_GRADIENTS = ("detached", "attached")
@@ -111,14 +112,19 @@ def sao_dis_loss(
         trusted_f = (hi_b - z).sign_().relu_().mul_(above_low)
     # The ratio is never formed above the trust region (the clamp keeps e^z finite), and a
     # rejected token's weight is a finite value times 0.
+    em1 = None
     if ratio_gradient == "attached":
-        coef = torch.exp(torch.clamp(log_ratio, max=hi_b)) * (trusted_f * x.advantages)
+        # the ratio formed as 1 + expm1(z), as in the detached reading: the two give the same value
+        coef = (torch.expm1(torch.clamp(log_ratio, max=hi_b)) + 1.0) * (trusted_f * x.advantages)
     else:
         with torch.no_grad():
-            coef = torch.clamp(z, max=hi_b).exp_().mul_(trusted_f).mul_(x.advantages)
-    term = coef * x.logp_factor
-    loss = -aggregate_tokens(weighted(term, token_weights(weights, x)), x, aggregation, constant=constant, denominator=denominator)
-    metrics = ratio_metrics(z, x)
+            # one transcendental pass for the weight and the metrics: r = 1 + expm1(z), bounded by
+            # 1 + eps_high (finite where it overflows; those tokens are rejected anyway)
+            em1 = torch.expm1(z)
+            coef = em1.add(1.0).clamp_(max=math.exp(hi_b)).mul_(trusted_f).mul_(x.advantages)
+    loss = linear_in_logp(coef, x, aggregation, weights=token_weights(weights, x), constant=constant,
+                          denominator=denominator)
+    metrics = ratio_metrics(z, x, em1=em1)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)

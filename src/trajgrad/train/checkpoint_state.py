@@ -120,3 +120,28 @@ def _restore_rng(state: Mapping[str, Any]) -> None:
             )
         for i, s in enumerate(cuda[:count]):
             torch.cuda.set_rng_state(s, i)
+
+
+# ----------------------------------------------------------------------------- adaptive entropy coefficient
+
+# The adaptive entropy coefficient (Objective.entropy_target) is a training state like a
+# learning rate: it is kept in the policy optimizer's first parameter group, whose keys
+# ``Optimizer.state_dict`` saves and ``load_state_dict`` restores, so every checkpoint of the
+# optimizer holds it and a resumed run continues with the exact value.
+ENTROPY_COEF_KEY = "trajgrad_entropy_coef"
+
+
+def entropy_coef_state(optimizer: torch.optim.Optimizer, initial: float) -> float:
+    """The current adaptive entropy coefficient; ``initial`` until a step has set one."""
+    group = optimizer.param_groups[0]
+    if ENTROPY_COEF_KEY not in group:
+        group[ENTROPY_COEF_KEY] = float(initial)
+    return float(group[ENTROPY_COEF_KEY])
+
+
+def set_entropy_coef_state(optimizer: torch.optim.Optimizer, value: float) -> None:
+    """Record the coefficient of the next step (saved with the optimizer's state)."""
+    v = float(value)
+    if not v >= 0 or v == float("inf"):
+        raise ValueError(f"value: the entropy coefficient must be a finite number >= 0, got {value!r}")
+    optimizer.param_groups[0][ENTROPY_COEF_KEY] = v

@@ -19,7 +19,6 @@ Nothing here samples, logs or checkpoints; the formulas are the core's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -28,7 +27,9 @@ import torch
 from .. import credit
 from .. import distributed as dist_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
+from ..correction import turn_metrics
 from ..diagnostics import explained_variance
+from ..turn_stats import mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs
 from ..losses import kl_estimate, sequence_logp
 from ..objective import Objective
@@ -37,6 +38,7 @@ from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
 from . import fsdp, tokenlog
+from .checkpoint_state import entropy_coef_state, set_entropy_coef_state
 
 
 @dataclass
@@ -152,6 +154,30 @@ def logprobs_with_entropy(st: LearnerState, batch: RolloutBatch) -> Tuple[torch.
     return logp.double(), ent.double()
 
 
+def step_objective(st: LearnerState) -> Objective:
+    """The recipe of the coming step: with ``entropy_target`` set, ``entropy_coef`` is the
+    adaptive coefficient of now (kept with the policy optimizer's state, so a checkpoint
+    holds it); otherwise the recipe itself. ``explain(step_objective(st))`` prints the rule
+    and the current coefficient."""
+    obj = st.objective
+    if not obj.adaptive_entropy:
+        return obj
+    return obj.replace(entropy_coef=entropy_coef_state(st.optimizer, obj.entropy_coef))
+
+
+def adapt_entropy_coef(st: LearnerState, obj: Objective, entropy_sum: float, tokens: float) -> Dict[str, float]:
+    r"""After a step: :math:`\bar{\mathcal H}` = the token mean of the entropy over the step's
+    action tokens (sums over ranks), the next coefficient (:meth:`Objective.next_entropy_coef`)
+    recorded for the next step, and the metrics ``entropy_control/coef`` (used in this step),
+    ``next_coef``, ``target`` and ``measured``."""
+    total, count = dist_lib.sum_over_ranks(entropy_sum), dist_lib.sum_over_ranks(tokens)
+    measured = total / count if count > 0 else obj.entropy_target  # no token: no evidence, c unchanged
+    nxt = obj.next_entropy_coef(measured) if count > 0 else obj.entropy_coef
+    set_entropy_coef_state(st.optimizer, nxt)
+    return {"entropy_control/coef": obj.entropy_coef, "entropy_control/next_coef": nxt,
+            "entropy_control/target": float(obj.entropy_target), "entropy_control/measured": float(measured)}
+
+
 def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
     r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
 
@@ -180,10 +206,11 @@ def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torc
     sequence-level weights and the min / max / effective sample size are those of the step,
     not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
     turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
-    turn's action tokens: ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the
-    turn's tokens), ``kept_frac``, ``dropped_frac`` (masked, rejected or sequence-masked),
-    ``kl/k1`` and ``kl/k3`` (of :math:`\mathrm{KL}(\mu\Vert\pi)`), and with truncated IS
-    ``truncated_frac`` (tokens whose weight is the cap). Everything is detached.
+    turn's action tokens (:func:`trajgrad.correction.turn_metrics`):
+    ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the turn's tokens),
+    ``kept_frac``, ``dropped_frac``, and each reason separately: ``truncated_frac``,
+    ``masked_frac``, ``rejected_frac``, ``seq_masked_frac``; ``kl/k1`` and ``kl/k3`` (of
+    :math:`\mathrm{KL}(\mu\Vert\pi)`). Everything is detached.
     """
     rc = obj.rollout_correction
     mask = batch.action_mask.bool()
@@ -193,24 +220,7 @@ def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torc
         adv = None if rc.seq_mask_delta is None else advantages
         corr = rc(beh, tgt, mask, advantages=adv)
         out = {k: float(v) for k, v in corr.metrics.items()}
-        w = corr.weight.double()
-        z = tgt - beh
-        # a truncated token's weight is exp(log C), the value the correction computes for it
-        cap_w = torch.exp(torch.tensor(math.log(rc.cap), dtype=w.dtype)) if rc.kind == "tis" else None
-        turns = torch.unique(batch.turn_ids[mask]).tolist() if mask.any() else []
-        for k in turns:
-            sel = mask & (batch.turn_ids == k)
-            ws, zs, n = w[sel], z[sel], float(sel.sum())
-            p = f"correction/turn{int(k)}/"
-            sq = float((ws * ws).sum())
-            kept = float(corr.keep[sel].double().mean())
-            out.update({p + "weight/mean": float(ws.mean()), p + "weight/min": float(ws.min()),
-                        p + "weight/max": float(ws.max()),
-                        p + "ess": float(ws.sum()) ** 2 / sq / n if sq > 0 else 0.0,
-                        p + "kept_frac": kept, p + "dropped_frac": 1.0 - kept,
-                        p + "kl/k1": float((-zs).mean()), p + "kl/k3": float((torch.expm1(zs) - zs).mean())})
-            if cap_w is not None:
-                out[p + "truncated_frac"] = float((ws >= cap_w).double().mean())
+        out.update(turn_metrics(corr, beh, tgt, mask, batch.turn_ids))
     return out
 
 
@@ -226,23 +236,33 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     :meth:`Objective.policy_loss` with ``old_logp``; the term takes its ratio against the one
     it declares (§7, §20.2). ``behaviour``: the sampler's raw records, for the
     learner-vs-sampler metrics. With ``entropy_coef > 0`` the loss gets the per-token entropy
-    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`).
+    of the sampling distribution with its gradient (:func:`logprobs_with_entropy`). With
+    ``entropy_target`` set, the step uses the current adaptive coefficient
+    (:func:`step_objective`) and sets the next one from the entropy measured in its first
+    epoch (:func:`adapt_entropy_coef`).
 
     With ``rollout_correction`` set, every micro-batch's loss is corrected with the three
     sources: ``behaviour_logp`` (required), the old log-probs (``old_logp``, or with
     ``old_logp=None`` the micro-batch's own detached log-probs, equal to the old ones in the
     single epoch) and the current ones. The ``correction/*`` metrics reported are those of
-    the whole batch in the first epoch (:func:`correction_metrics`, per turn too). Metrics
-    of the loss are means over the epochs.
+    the whole batch in the first epoch (:func:`correction_metrics`, per turn too). With
+    ``behaviour`` given, ``mismatch/turn{k}/kl_k1|kl_k3`` are the sampler–learner mismatch
+    per turn, from the first epoch's log-probs (the weights that sampled, in the synchronous
+    loop), logged with the correction off too. Metrics of the loss are means over the epochs.
     """
-    obj = st.objective
+    obj = step_objective(st)
     mask = batch.action_mask
     if old_logp is None and st.epochs_per_batch != 1:
         raise ValueError("old_logp: required when epochs_per_batch > 1")
+    adaptive = obj.adaptive_entropy
+    if adaptive and (st.top_k is not None or (st.top_p is not None and st.top_p < 1.0)):
+        raise ValueError("entropy_target: the entropy is measured for sampling without top_k/top_p "
+                         f"(got top_k={st.top_k}, top_p={st.top_p})")
     mbs = micro_batches(len(batch), st.micro_batch_size)
     den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
     params = st.trainable()
     with_entropy = obj.entropy_coef > 0
+    ent_sum = 0.0  # the first epoch's entropy over the action tokens (adaptive entropy control)
     rc = obj.rollout_correction
     if rc and behaviour_logp is None:
         raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
@@ -259,12 +279,14 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if with_entropy:
                 lp, ent = logprobs_with_entropy(st, mb)
             else:
-                out = logprobs(st, mb, want_entropy=first or rec is not None)
+                out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
                 lp, ent = out.logp.double(), out.entropy
+            if adaptive and _epoch == 0:
+                ent_sum += float(torch.where(mb.action_mask.bool(), ent.detach().double(), 0.0).sum())
             if first:
                 seen_logp.append(lp.detach())
                 seen_ent.append(ent.detach())
-            if rc and _epoch == 0:
+            if _epoch == 0:
                 first_logp.append(lp.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
             res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
@@ -284,10 +306,15 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             acc.values["grad_norm"] = grad_norm
     metrics = acc.values
     metrics["loss"] = loss_total
+    if adaptive:
+        metrics.update(adapt_entropy_coef(st, obj, ent_sum, float(mask.sum())))
     if rc:
         # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
         target = old_logp if (old_logp is not None and rc.mode == "decoupled") else torch.cat(first_logp, 0)
         metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
+    if behaviour is not None and first_logp:
+        # the first epoch's log-probs are those of the weights before the step (pi_old)
+        metrics.update(mismatch_by_turn(torch.cat(first_logp, 0), behaviour, mask, batch.turn_ids))
     if seen_logp and behaviour is not None:
         metrics.update(sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
     return metrics
