@@ -19,7 +19,10 @@ def test_every_peer_function_agrees_outright_or_with_a_named_option(peer):
     results = [run_case(c) for c in cases(peer)]
     for r in results:
         assert r.error == "", (r.case.function, r.error)
-        assert r.status.startswith("agrees"), (r.case.function, r.status, r.table)
+        if r.case.no_counterpart:  # documented: no trajgrad counterpart, the report says why
+            assert r.status == "differs" and r.conventions[0].startswith("no trajgrad counterpart"), r.case.function
+        else:
+            assert r.status.startswith("agrees"), (r.case.function, r.status, r.table)
     assert len(results) >= 9
 
 

@@ -32,6 +32,8 @@ CONVENTION_NOTES = {
     "micro_batches": "a global denominator passed in does not make micro-batches sum to the full batch",
     "long_sequence": "non-finite or different on 4,096-token responses whose log-ratio sums exceed exp's range",
     "zero_variance": "a zero-variance group does not get advantage 0",
+    "ragged_lengths": "normalizes over tokens: each response weighs by its token count in the batch statistics "
+                      "(trajgrad's estimator weighs every response once); equal for equal lengths",
     "single_member": "a group of one gets a non-zero advantage",
     "padding": "the loss depends on padding: it averages over every row (all-padding rows included) or divides "
                "by the padded length",
@@ -45,12 +47,19 @@ class PeerCase:
     make: Callable[[], Callable]
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl"
+    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov" | "pairwise"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
     # checks that the convention itself makes fail (e.g. ``padding`` for a loss averaged over every row)
     convention_checks: Tuple[str, ...] = ()
+    # trajgrad's side when the recipe's registry entry cannot take the peer's input (response lengths,
+    # a baseline reward): ``ours(...)`` with the adapter's arguments, named by ``ours_name`` in the result
+    ours: Optional[Callable] = None
+    ours_name: str = ""
+    # set where trajgrad has no counterpart: the case is expected to differ, and this line says why
+    no_counterpart: str = ""
+    tol: float = 1e-9                   # the value tolerance (raised, with a note, for a peer computing in float32)
 
 
 @dataclass
@@ -84,7 +93,11 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
         if case.kind == "policy":
             report = _compare.policy(fn, recipe, case, seed=seed)
         elif case.kind == "advantage":
-            report = _compare.advantage(fn, recipe, seed=seed)
+            report = _compare.advantage(fn, recipe, case, seed=seed)
+        elif case.kind == "cov":
+            report = _compare.cov(fn, recipe, case, seed=seed)
+        elif case.kind == "pairwise":
+            report = _compare.pairwise(fn, recipe, seed=seed)
         elif case.kind == "token_advantage":
             report = _compare.gae(fn, recipe, seed=seed)
         else:
@@ -97,14 +110,18 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
     worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS and c.name not in conv] or [0.0])
     if objective:
         status = "differs"
-    elif case.options or case.denominator:
+    elif case.options or case.denominator or case.ours_name:
         parts = [f"{k}={v!r}" for k, v in case.options.items()]
         if case.denominator == "rows":
             parts.append("denominator=number of rows")
+        if case.ours_name:
+            parts.append(case.ours_name)
         status = "agrees with option " + ", ".join(parts)
     else:
         status = "agrees"
     conventions = [f"{n}: {CONVENTION_NOTES.get(n, n)}" for n in failed if n not in objective]
+    if case.no_counterpart:
+        conventions.insert(0, "no trajgrad counterpart: " + case.no_counterpart)
     return CaseResult(case, status, worst, objective, conventions + list(case.notes), report.table())
 
 

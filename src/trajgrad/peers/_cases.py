@@ -109,4 +109,81 @@ VERL = [
              "ppo", {"whiten_advantages": True, "gamma": 1.0, "lam": 0.95}, kind="token_advantage"),
 ]
 
+
+
+def _token_weighted(r, lengths):
+    """``[M]`` per-response values whitened over tokens (verl's ``masked_whiten`` of the broadcast values)."""
+    import torch
+
+    from ..baselines import whiten
+
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    return whiten(r[:, None].expand(-1, mask.shape[1]), mask, unbiased=True, eps=1e-8)[:, 0]
+
+
+def _rpp_lengths(group_baseline: bool):
+    def ours(r, gids, lengths):
+        from ..advantages import reinforce_pp_advantages
+
+        return reinforce_pp_advantages(r, group_baseline=group_baseline, group_ids=gids if group_baseline else None,
+                                       lengths=lengths, unbiased=True, eps=1e-8).advantages
+    return ours
+
+
+def _gdpo_lengths(r, gids, lengths):
+    from ..advantages import gdpo_advantages
+
+    s = gdpo_advantages(r[:, None], group_ids=gids, eps=1e-6, unbiased=True, batch_normalize=False).advantages
+    return _token_weighted(s, lengths)
+
+
+TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count; the recipe's "
+                  "estimator weighs every response once (the paper's form), equal for equal lengths")
+BYPASS = "bypass_mode: old_log_prob is the rollout's log-prob; verify passes the same tensor as old and behaviour"
+
+VERL += [
+    PeerCase("verl", "compute_grpo_vectorized_outcome_advantage", partial(V.outcome_advantage, "grpo_vectorized"),
+             "grpo", {"std_unbiased": True}, kind="advantage", tol=1e-5,
+             notes=("computes the group statistics in float32 whatever the input dtype (deviation: float32 rounding; "
+                    "tolerance 1e-5 instead of 1e-9), with the variance floored at 1e-6 before the square root",)),
+    PeerCase("verl", "compute_rloo_vectorized_outcome_advantage", partial(V.outcome_advantage, "rloo_vectorized"),
+             "rloo", {}, kind="advantage"),
+    PeerCase("verl", "compute_reinforce_plus_plus_outcome_advantage  [γ = 1, outcome reward]",
+             partial(V.outcome_advantage, "reinforce_plus_plus"), "reinforce_pp", {}, kind="advantage",
+             ours=_rpp_lengths(False), ours_name="reinforce_pp_advantages(lengths=token counts)",
+             notes=(TOKEN_WEIGHTED,)),
+    PeerCase("verl", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+             partial(V.outcome_advantage, "reinforce_plus_plus_baseline"), "reinforce_pp_baseline", {}, kind="advantage",
+             ours=_rpp_lengths(True), ours_name="reinforce_pp_advantages(group_baseline=True, lengths=token counts)",
+             notes=(TOKEN_WEIGHTED, "a group of one keeps its raw reward (mean 0); trajgrad refuses groups of one")),
+    PeerCase("verl", "compute_gdpo_outcome_advantage  [one reward component]", partial(V.outcome_advantage, "gdpo"),
+             "gdpo", {"std_eps": 1e-6}, kind="advantage", ours=_gdpo_lengths,
+             ours_name="gdpo_advantages(batch_normalize=False) whitened over tokens",
+             notes=(TOKEN_WEIGHTED, "the batch step adds 1e-8 under the square root (trajgrad's recipe: std + std_eps)")),
+    PeerCase("verl", "compute_policy_loss_gpg", partial(V.policy_loss, "gpg", loss_agg_mode="token-mean"),
+             "reinforce", {"aggregation": "token_mean"},
+             notes=("GPG's loss is −A · log π with no ratio: REINFORCE aggregated by token mean",)),
+    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='ppo_clip')  [default]",
+             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
+                     policy_loss_fields={"rollout_correction": {"loss_type": "ppo_clip"}}),
+             "dapo", {**TRL_EPS, "dual_clip": 3.0, "dynamic_sampling": False}, notes=(BYPASS,)),
+    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce', rollout_is=None)",
+             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
+                     policy_loss_fields={"rollout_correction": {"loss_type": "reinforce", "rollout_is": None}}),
+             "reinforce", {"aggregation": "token_mean"}, notes=(BYPASS,)),
+    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce')  [rollout_is='sequence', default]",
+             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
+                     policy_loss_fields={"rollout_correction": {"loss_type": "reinforce"}}),
+             "reinforce", {"aggregation": "token_mean"}, notes=(BYPASS,),
+             no_counterpart=("each response is weighted by sg[min(Π_t π_θ/π_rollout, 2)], a truncated sequence IS "
+                             "weight of the *current* policy on −A · log π; trajgrad's rollout correction takes its "
+                             "weight from π_old/π_behaviour (decoupled) and refuses truncated IS in bypass mode")),
+    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce', rollout_is='token')",
+             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
+                     policy_loss_fields={"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token",
+                                                                "rollout_is_threshold": 2.0}}),
+             "cispo", {"eps_high": 1.0}, notes=(BYPASS, "the truncated IS weight sg[min(π_θ/π_rollout, 2)] on "
+                                                "−A · log π is CISPO's clipped weight with cap 1 + eps_high = 2")),
+]
+
 CASES = {"trl": TRL, "verl": VERL}

@@ -29,21 +29,43 @@ def _groups(gen, G: int, N: int):
     return rewards.reshape(-1), gids
 
 
-def advantage(fn, recipe, *, seed: int) -> VerifyReport:
-    """Per-response advantages: equal values on random groups (G = 2, 4, 8, a zero-variance group in each)."""
+def _lengths(gen, shape, ragged: bool) -> torch.Tensor:
+    return torch.randint(1, 9, shape, generator=gen) if ragged else torch.full(shape, 4, dtype=torch.long)
+
+
+def advantage(fn, recipe, case, *, seed: int) -> VerifyReport:
+    """Per-response advantages on random groups (G = 2, 4, 8, a zero-variance group in each): equal values
+    when every response has 4 tokens (``value``) and when lengths are ragged, 1 to 8 tokens
+    (``ragged_lengths``: a peer that normalizes over tokens weighs each response by its length).
+    ``fn(rewards, group_ids, lengths)``; trajgrad's side is the recipe's estimator, or ``case.ours``."""
     gen = torch.Generator().manual_seed(seed)
-    worst, zv = 0.0, 0.0
+
+    def ours(r, gids, lengths):
+        if case.ours is not None:
+            return torch.as_tensor(case.ours(r, gids, lengths), dtype=F64)
+        return recipe.sequence_advantages(r, group_ids=gids).advantages.to(F64)
+
+    worst = ragged = zv = zv_ours = 0.0
     for G in (2, 4, 8):
         r, gids = _groups(gen, G, 5)
-        got = torch.as_tensor(fn(r, gids), dtype=F64)
-        want = recipe.sequence_advantages(r, group_ids=gids).advantages.to(F64)
-        worst = max(worst, _maxdev(got, want))
-        zv = max(zv, float(got[:G].abs().max()))
-    tol = 1e-6 * max(1.0, worst)
+        for is_ragged in (False, True):
+            lengths = _lengths(gen, r.shape, is_ragged)
+            got = torch.as_tensor(fn(r, gids, lengths), dtype=F64)
+            want = ours(r, gids, lengths)
+            d = _maxdev(got, want)
+            if is_ragged:
+                ragged = max(ragged, d)
+            else:
+                worst = max(worst, d)
+                zv, zv_ours = max(zv, float(got[:G].abs().max())), max(zv_ours, float(want[:G].abs().max()))
+    if not (math.isfinite(worst) and math.isfinite(ragged)):
+        return VerifyReport(recipe.name, [Check("value", False, math.inf, "non-finite")])
     return VerifyReport(recipe.name, [
-        Check("value", worst <= 1e-9, worst, "advantages equal trajgrad's estimator (G = 2, 4, 8)"),
-        Check("zero_variance", zv <= 1e-9, zv, "a zero-variance group gets advantage 0"),
-    ]) if math.isfinite(tol) else VerifyReport(recipe.name, [Check("value", False, math.inf, "non-finite")])
+        Check("value", worst <= case.tol, worst, "advantages equal trajgrad's estimator (G = 2, 4, 8; equal lengths)"),
+        Check("ragged_lengths", ragged <= case.tol, ragged, "also with responses of 1 to 8 tokens"),
+        Check("zero_variance", zv <= case.tol or zv_ours > case.tol, zv,
+              "a zero-variance group gets advantage 0 (where trajgrad's estimator gives it 0)"),
+    ])
 
 
 def kl(fn, recipe, *, seed: int) -> VerifyReport:

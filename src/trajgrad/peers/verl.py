@@ -19,13 +19,17 @@ AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
 
 
 def _config(loss_agg_mode: str, policy_loss: Optional[dict] = None, **fields):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import ActorConfig
+    from verl.workers.config.actor import PolicyLossConfig
 
-    cfg = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1, rollout_n=1,
-                      loss_agg_mode=loss_agg_mode, **fields)
-    for k, v in (policy_loss or {}).items():
-        setattr(cfg.policy_loss, k, v)
-    return cfg
+    if policy_loss:
+        pl = dict(policy_loss)
+        if isinstance(pl.get("rollout_correction"), dict):
+            pl["rollout_correction"] = RolloutCorrectionConfig(**pl["rollout_correction"])
+        fields["policy_loss"] = PolicyLossConfig(**pl)
+    return ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1, rollout_n=1,
+                       loss_agg_mode=loss_agg_mode, **fields)
 
 
 def policy_loss(loss_mode: str = "vanilla", *, loss_agg_mode: str = "token-mean", policy_loss_fields=None,
@@ -64,31 +68,43 @@ def policy_loss_with_kl(kl_kind: str, kl_coef: float, *, loss_agg_mode: str = "t
 
 
 def grpo_advantage(norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6) -> Callable:
-    """``adv_fn(rewards [M], group_ids [M]) -> [M]``: verl's ``compute_grpo_outcome_advantage``."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    """``adv_fn(rewards [M], group_ids [M], lengths=None) -> [M]``: verl's ``compute_grpo_outcome_advantage``."""
+    return outcome_advantage("grpo", config={"norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo},
+                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon)
 
-    def adv_fn(rewards, group_ids):
+
+def outcome_advantage(name: str, *, config: Optional[dict] = None, **kwargs) -> Callable:
+    """``adv_fn(rewards [M], group_ids [M], lengths=None) -> [M]``: verl's registered advantage estimator
+    ``name`` (``get_adv_estimator_fn``) on outcome rewards, each at the last valid token of a response of
+    ``lengths[i]`` tokens (right padding). verl broadcasts the advantage over the response; the adapter
+    checks that it is one value per response and returns it."""
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    fn = get_adv_estimator_fn(name)
+
+    def adv_fn(rewards, group_ids, lengths=None):
         M = rewards.shape[0]
-        token_rewards = torch.zeros(M, 3, dtype=rewards.dtype)
-        token_rewards[:, -1] = rewards
-        adv, _ = compute_grpo_outcome_advantage(token_rewards, torch.ones(M, 3), np.asarray(group_ids.tolist()),
-                                                epsilon=epsilon, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
+        L = int(lengths.max())
+        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
+        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
+        token_rewards[torch.arange(M), lengths - 1] = rewards
+        cfg = AlgoConfig(adv_estimator=name, **(config or {}))
+        adv, _ = fn(token_level_rewards=token_rewards, response_mask=mask, index=np.asarray(group_ids.tolist()),
+                    config=cfg, **kwargs)
+        first = adv[:, :1].expand(M, L)
+        spread = float(torch.where(mask > 0, (adv - first).abs(), torch.zeros((), dtype=adv.dtype)).max())
+        if spread > 1e-12:
+            raise ValueError(f"{name}: the advantage is not constant along a response (spread {spread:.2e})")
         return adv[:, 0]
 
     return adv_fn
 
 
 def rloo_advantage() -> Callable:
-    from verl.trainer.ppo.core_algos import compute_rloo_outcome_advantage
-
-    def adv_fn(rewards, group_ids):
-        M = rewards.shape[0]
-        token_rewards = torch.zeros(M, 2, dtype=rewards.dtype)
-        token_rewards[:, -1] = rewards
-        adv, _ = compute_rloo_outcome_advantage(token_rewards, torch.ones(M, 2), np.asarray(group_ids.tolist()))
-        return adv[:, 0]
-
-    return adv_fn
+    """verl's ``compute_rloo_outcome_advantage`` (see :func:`outcome_advantage`)."""
+    return outcome_advantage("rloo")
 
 
 def kl_penalty(kind: str) -> Callable:
