@@ -160,6 +160,17 @@ register_policy_term(PolicyTerm(
 ))
 
 
+# ---------------------------------------------------------------------- DRO's policy term (Richemond et al. 2024)
+register_policy_term(PolicyTerm(
+    name="dro", fn=losses.dro_loss, fields=("beta",), ratio="old", detached=("old log-probs",),
+    aggregation="token_mean",
+    text=lambda o: ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
+                    f"x_it = − A_it · log π_θ(y_it) + ({o.beta:g}/2) · z_it²   (quadratic log-ratio penalty, DRO)\n"
+                    f"    gradient ({o.beta:g} z_it − A_it) ∇log π_θ: REINFORCE at z = 0, pulled back to π_old beyond"),
+    call=lambda o, x: losses.dro_loss(x.logp, x.ratio_logp, x.advantages, x.mask, beta=o.beta, **x.agg),
+))
+
+
 # ---------------------------------------------------------------------- CISPO (MiniMax-M1)
 def _cispo_text(o) -> str:
     lo = "0" if o.weight_eps_low >= 1 else f"{1 - o.weight_eps_low:g}"

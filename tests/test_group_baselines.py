@@ -1,0 +1,105 @@
+"""Pass@k, GPG and OPO advantages against hand-written loops; bad input names the argument."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trajgrad.group_baselines import gpg_advantages, opo_advantages, passk_advantages
+from trajgrad.objective import get_recipe
+
+F64 = torch.float64
+
+
+def _groups(seed, N=6, G=5):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 3, (N, G), generator=g).to(F64) + 0.5 * torch.randn(N, G, generator=g, dtype=F64)
+    r[0] = 1.0          # a zero-variance group
+    r[1] = 0.0
+    r[1, 1] = r[1, 2] = 1.0   # a tie at the top
+    return r
+
+
+def _passk_loop(r, eps, unbiased=True):
+    out = torch.zeros_like(r)
+    for n in range(r.shape[0]):
+        vals = sorted(r[n].tolist(), reverse=True)
+        std = float(r[n].std(unbiased=unbiased))
+        i = max(range(r.shape[1]), key=lambda j: (float(r[n, j]), -j))
+        out[n, i] = (vals[0] - vals[1]) / (std + eps)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_passk_equals_the_loop_dense_and_ragged(seed):
+    r = _groups(seed)
+    want = _passk_loop(r, 1e-6)
+    got = passk_advantages(r, eps=1e-6).advantages
+    assert torch.allclose(got, want, atol=1e-12)
+    assert (got[0] == 0).all() and (got[1] == 0).all()  # zero variance; tied top
+    assert ((got != 0).sum(-1) <= 1).all() and (got >= 0).all()
+    gids = torch.arange(r.shape[0]).repeat_interleave(r.shape[1])
+    perm = torch.randperm(r.numel(), generator=torch.Generator().manual_seed(seed))
+    ragged = passk_advantages(r.reshape(-1)[perm], group_ids=gids[perm], eps=1e-6).advantages
+    assert torch.allclose(ragged, want.reshape(-1)[perm], atol=1e-12)
+    unscaled = passk_advantages(r, scale=False).advantages
+    margin = torch.topk(r, 2, dim=-1).values
+    assert torch.allclose(unscaled.sum(-1), margin[:, 0] - margin[:, 1], atol=1e-12)
+    assert torch.equal(unscaled != 0, got != 0)
+
+
+def test_passk_refuses_groups_of_one_and_bad_eps():
+    with pytest.raises(ValueError, match="rewards"):
+        passk_advantages(torch.ones(3, 1))
+    with pytest.raises(ValueError, match="eps"):
+        passk_advantages(torch.ones(2, 3), eps=-1.0)
+    with pytest.raises(ValueError, match="rewards"):
+        passk_advantages(torch.tensor([[1.0, float("nan")]]))
+
+
+@pytest.mark.parametrize("count", ["valid", "nonzero"])
+def test_gpg_equals_the_loop(count):
+    r = _groups(4)
+    r[2] = 0.0  # an all-zero group: zero variance, zero rewards
+    B = r.numel()
+    if count == "valid":
+        n_valid = sum(r.shape[1] for n in range(r.shape[0]) if float(r[n].max() - r[n].min()) > 0)
+    else:
+        n_valid = int((r != 0).sum())
+    want = (B / n_valid) * (r - r.mean(-1, keepdim=True))
+    assert torch.allclose(gpg_advantages(r, count=count).advantages, want, atol=1e-12)
+    with pytest.raises(ValueError, match="count"):
+        gpg_advantages(r, count="all")
+
+
+def test_gpg_all_flat_batch_gives_zero():
+    assert (gpg_advantages(torch.ones(3, 4)).advantages == 0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000))
+def test_opo_equals_the_loop_and_reduces_to_centering_at_equal_lengths(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(4, 6, generator=g, dtype=F64)
+    lengths = torch.randint(1, 50, (4, 6), generator=g)
+    b = (lengths * r).sum(-1, keepdim=True) / lengths.sum(-1, keepdim=True)
+    assert torch.allclose(opo_advantages(r, lengths).advantages, r - b, atol=1e-12)
+    eq = opo_advantages(r, torch.full((4, 6), 7)).advantages
+    assert torch.allclose(eq, r - r.mean(-1, keepdim=True), atol=1e-12)
+    gids = torch.arange(4).repeat_interleave(6)
+    assert torch.allclose(opo_advantages(r.reshape(-1), lengths.reshape(-1), group_ids=gids).advantages,
+                          (r - b).reshape(-1), atol=1e-12)
+
+
+def test_opo_bad_lengths_name_the_argument():
+    r = torch.randn(2, 3)
+    for bad in (torch.ones(2, 2), -torch.ones(2, 3), torch.zeros(2, 3), torch.full((2, 3), float("inf"))):
+        with pytest.raises(ValueError, match="lengths"):
+            opo_advantages(r, bad)
+
+
+def test_registry_entries_call_the_core_functions():
+    r = _groups(7, G=8)
+    o = get_recipe("passk")
+    assert torch.allclose(o.sequence_advantages(r).advantages, _passk_loop(r, o.std_eps), atol=1e-12)
+    g = get_recipe("gpg")
+    assert torch.equal(g.sequence_advantages(r).advantages, gpg_advantages(r).advantages)
