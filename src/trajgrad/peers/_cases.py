@@ -137,6 +137,18 @@ def _gdpo_lengths(r, gids, lengths):
     return _token_weighted(s, lengths)
 
 
+def _gpg_nonzero(r, gids):
+    from ..group_baselines import gpg_advantages
+
+    return gpg_advantages(r, group_ids=gids, count="nonzero").advantages
+
+
+def _opo(r, gids, lengths):
+    from ..group_baselines import opo_advantages
+
+    return opo_advantages(r, lengths, group_ids=gids).advantages
+
+
 TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count; the recipe's "
                   "estimator weighs every response once (the paper's form), equal for equal lengths")
 BYPASS = "bypass_mode: old_log_prob is the rollout's log-prob; verify passes the same tensor as old and behaviour"
@@ -160,6 +172,20 @@ VERL += [
              "gdpo", {"std_eps": 1e-6}, kind="advantage", ours=_gdpo_lengths,
              ours_name="gdpo_advantages(batch_normalize=False) whitened over tokens",
              notes=(TOKEN_WEIGHTED, "the batch step adds 1e-8 under the square root (trajgrad's recipe: std + std_eps)")),
+    PeerCase("verl", "compute_grpo_passk_outcome_advantage", partial(V.outcome_advantage, "grpo_passk"),
+             "passk", {}, kind="advantage"),
+    PeerCase("verl", "compute_gpg_outcome_advantage", partial(V.outcome_advantage, "gpg"), "gpg", {},
+             kind="advantage", ours=lambda r, g, lengths: _gpg_nonzero(r, g), ours_name="gpg_advantages(count='nonzero')",
+             notes=("verl's α = B / (number of non-zero rewards); the paper's (trajgrad's recipe) α = B / (responses in "
+                    "groups whose rewards are not all equal)",)),
+    PeerCase("verl", "compute_opo_outcome_advantage", partial(V.outcome_advantage, "opo"), "dr_grpo", {},
+             kind="advantage", ours=lambda r, g, lengths: _opo(r, g, lengths), ours_name="opo_advantages(lengths=token counts)",
+             notes=("the length-weighted baseline needs the response lengths, which Objective.sequence_advantages does "
+                    "not take: compared against trajgrad.group_baselines.opo_advantages; equal lengths = dr_grpo's",
+                    "a group of one keeps its raw reward (baseline 0); trajgrad's baseline is the response itself (A = 0)")),
+    PeerCase("verl", "compute_policy_loss_dro(dro_beta=0.1)",
+             partial(V.policy_loss, "dro", loss_agg_mode="token-mean", policy_loss_fields={"dro_beta": 0.1}),
+             "dro", {}),
     PeerCase("verl", "compute_policy_loss_gpg", partial(V.policy_loss, "gpg", loss_agg_mode="token-mean"),
              "reinforce", {"aggregation": "token_mean"},
              notes=("GPG's loss is −A · log π with no ratio: REINFORCE aggregated by token mean",)),
