@@ -53,3 +53,32 @@ def test_report_files(tmp_path):
     md, page = report.write("verl", "0.9.1", res, tmp_path)
     assert "| `f` | `grpo` |" in md.read_text() and "agrees with option x=1" in md.read_text()
     assert page.read_text().startswith("<!doctype html>") and "masked_nan" in page.read_text()
+
+
+def test_clip_cov_is_compared_seeded_and_names_the_draw_difference():
+    """verl's Clip-Cov draws tokens with torch's global RNG: the comparison reproduces its draw from the same
+    seed, and names the one convention that differs (which tokens a seed selects)."""
+    if not HAVE["verl"]:
+        pytest.skip("verl is not installed here (CI runs this file in the peers environment, `make peers`)")
+    (case,) = [c for c in cases("verl") if "clip_cov" in c.function]
+    r = run_case(case)
+    assert r.status == "agrees", r.table
+    for name in ("selection_rule", "selection_count", "gradient_unselected", "selection_law", "gradient"):
+        assert f"{name} " in r.table and "PASS" in r.table.split(f"{name} ", 1)[1].split("\n")[0], (name, r.table)
+    assert any(c.startswith("same_tokens:") for c in r.conventions)
+
+
+def test_token_weighted_normalization_differs_from_the_recipe_and_matches_the_core_form():
+    """verl's REINFORCE++ whitens over tokens: against the recipe's response-weighted estimator it differs
+    (the weights, and Bessel's correction over tokens), and the core form with lengths reproduces it."""
+    if not HAVE["verl"]:
+        pytest.skip("verl is not installed here (CI runs this file in the peers environment, `make peers`)")
+    from functools import partial
+
+    from trajgrad.peers import verl as V
+
+    r = run_case(PeerCase("verl", "rf++ vs recipe", partial(V.outcome_advantage, "reinforce_plus_plus"),
+                          "reinforce_pp", kind="advantage"))
+    assert r.status == "differs", r.table
+    (case,) = [c for c in cases("verl") if c.function.startswith("compute_reinforce_plus_plus_outcome")]
+    assert case.ours is not None and run_case(case).status.startswith("agrees with option reinforce_pp_advantages")

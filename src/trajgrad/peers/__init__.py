@@ -22,7 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns")
+OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns",
+                    "selection_rule", "selection_count", "gradient_unselected", "selection_law")
+# checks whose deviation is a count or a frequency, not a loss or gradient difference (left out of "largest deviation")
+COUNT_CHECKS = ("selection_rule", "selection_count", "selection_law")
 # a failing non-objective check -> the documented difference it stands for
 CONVENTION_NOTES = {
     "masked_nan": "NaN/inf at masked positions reach the loss (masking by multiplication, 0 · inf = NaN)",
@@ -32,9 +35,14 @@ CONVENTION_NOTES = {
     "micro_batches": "a global denominator passed in does not make micro-batches sum to the full batch",
     "long_sequence": "non-finite or different on 4,096-token responses whose log-ratio sums exceed exp's range",
     "zero_variance": "a zero-variance group does not get advantage 0",
-    "ragged_lengths": "normalizes over tokens: each response weighs by its token count in the batch statistics "
-                      "(trajgrad's estimator weighs every response once); equal for equal lengths",
+    "ragged_lengths": "depends on the response lengths (it normalizes over tokens: each response weighs by its "
+                      "token count in the batch statistics; trajgrad's estimator weighs every response once)",
     "single_member": "a group of one gets a non-zero advantage",
+    "same_tokens": "the same seed selects different tokens: verl permutes the candidates with torch.randperm on "
+                   "torch's global RNG, trajgrad draws uniform keys from its own generator; both are uniform subsets "
+                   "of the same size (selection_law)",
+    "selection_count": "verl selects max(1, ⌊rN⌋) tokens, trajgrad a mass of exactly rN (the last token "
+                       "fractionally): they differ when rN is not an integer",
     "padding": "the loss depends on padding: it averages over every row (all-padding rows included) or divides "
                "by the padded length",
 }
@@ -47,7 +55,7 @@ class PeerCase:
     make: Callable[[], Callable]
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov" | "pairwise"
+    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov_topk" | "cov_random" | "pairwise"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
@@ -94,8 +102,10 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
             report = _compare.policy(fn, recipe, case, seed=seed)
         elif case.kind == "advantage":
             report = _compare.advantage(fn, recipe, case, seed=seed)
-        elif case.kind == "cov":
-            report = _compare.cov(fn, recipe, case, seed=seed)
+        elif case.kind == "cov_topk":
+            report = _compare.cov_topk(fn, recipe, case, seed=seed)
+        elif case.kind == "cov_random":
+            report = _compare.cov_random(fn, recipe, case, seed=seed)
         elif case.kind == "pairwise":
             report = _compare.pairwise(fn, recipe, seed=seed)
         elif case.kind == "token_advantage":
@@ -107,7 +117,8 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
     failed = [c.name for c in report.checks if c.passed is False]
     conv = set(case.convention_checks) | ({"padding"} if case.denominator == "rows" else set())
     objective = [n for n in failed if n in OBJECTIVE_CHECKS and n not in conv]
-    worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS and c.name not in conv] or [0.0])
+    worst = max([c.max_deviation for c in report.checks
+                 if c.name in OBJECTIVE_CHECKS and c.name not in conv and c.name not in COUNT_CHECKS] or [0.0])
     if objective:
         status = "differs"
     elif case.options or case.denominator or case.ours_name:
@@ -119,7 +130,9 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
         status = "agrees with option " + ", ".join(parts)
     else:
         status = "agrees"
-    conventions = [f"{n}: {CONVENTION_NOTES.get(n, n)}" for n in failed if n not in objective]
+    explained = {note.split(":", 1)[0] for note in case.notes}
+    conventions = [f"{n}: {CONVENTION_NOTES.get(n, 'fails (see the checks)')}" for n in failed
+                   if n not in objective and (n in CONVENTION_NOTES or n not in explained)]
     if case.no_counterpart:
         conventions.insert(0, "no trajgrad counterpart: " + case.no_counterpart)
     return CaseResult(case, status, worst, objective, conventions + list(case.notes), report.table())

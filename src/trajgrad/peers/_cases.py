@@ -149,8 +149,9 @@ def _opo(r, gids, lengths):
     return opo_advantages(r, lengths, group_ids=gids).advantages
 
 
-TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count; the recipe's "
-                  "estimator weighs every response once (the paper's form), equal for equal lengths")
+TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count and Bessel's "
+                  "correction counts tokens, 1/(N_tokens − 1); the recipe's estimator weighs every response once "
+                  "with 1/(N_responses − 1) (the paper's form), so they differ even at equal lengths")
 BYPASS = "bypass_mode: old_log_prob is the rollout's log-prob; verify passes the same tensor as old and behaviour"
 
 VERL += [
@@ -186,6 +187,14 @@ VERL += [
     PeerCase("verl", "compute_policy_loss_dro(dro_beta=0.1)",
              partial(V.policy_loss, "dro", loss_agg_mode="token-mean", policy_loss_fields={"dro_beta": 0.1}),
              "dro", {}),
+    PeerCase("verl", "compute_policy_loss_kl_cov  [PolicyLossConfig defaults: ppo_kl_coef 0.1]",
+             partial(V.cov_loss, "kl_cov"), "kl_cov", {"cov_kl_coef": 0.1}, kind="cov_topk",
+             convention_checks=("selection_count",),
+             notes=("compared at kl_cov_ratio = cov_ratio = 1/16 on 160 and 320 valid tokens, where ⌊rN⌋ = rN",)),
+    PeerCase("verl", "compute_policy_loss_clip_cov  [seeded: torch.manual_seed]", partial(V.cov_loss, "clip_cov"),
+             "clip_cov", {}, kind="cov_random", convention_checks=("value",),
+             notes=("value: verl multiplies the selected tokens' terms by 0, which drops their value as well as "
+                    "their gradient; trajgrad keeps the value and detaches the gradient (equal gradients)",)),
     PeerCase("verl", "compute_policy_loss_gpg", partial(V.policy_loss, "gpg", loss_agg_mode="token-mean"),
              "reinforce", {"aggregation": "token_mean"},
              notes=("GPG's loss is −A · log π with no ratio: REINFORCE aggregated by token mean",)),

@@ -107,3 +107,128 @@ def gae(fn, recipe, *, seed: int) -> VerifyReport:
         worst_r = max(worst_r, _maxdev(ret[mask], ours.returns[mask]))
     return VerifyReport(recipe.name, [Check("value", worst_a <= 1e-9, worst_a, "advantages at action tokens"),
                                       Check("returns", worst_r <= 1e-9, worst_r, "value targets at action tokens")])
+
+
+# ---------------------------------------------------------------------- Clip-Cov / KL-Cov
+COV_RATIO = 2.0 ** -4  # with N a multiple of 16 valid tokens, r·N is an integer: verl's ⌊rN⌋ = trajgrad's rN
+
+
+def _cov_batch(gen, B: int, L: int, N: int):
+    """A batch with exactly ``N`` valid tokens at random slots, per-token advantages."""
+    mask = torch.zeros(B * L, dtype=torch.bool)
+    mask[torch.randperm(B * L, generator=gen)[:N]] = True
+    logp = -torch.rand(B, L, generator=gen, dtype=F64) * 3
+    old = logp + 0.3 * torch.randn(B, L, generator=gen, dtype=F64)
+    adv = torch.randn(B, L, generator=gen, dtype=F64)
+    return logp, old, adv, mask.view(B, L)
+
+
+def _value_grad(f, logp):
+    lp = logp.clone().requires_grad_(True)
+    v = f(lp)
+    (g,) = torch.autograd.grad(v, lp)
+    return v.detach(), g
+
+
+def cov_topk(fn, recipe, case, *, seed: int) -> VerifyReport:
+    """KL-Cov: the top-covariance selection is deterministic, so value and gradient are compared outright at
+    r = 1/16 on batches of 160 and 320 valid tokens (r·N integral); ``selection_count`` at N = 150 (r·N = 9.375)."""
+    gen = torch.Generator().manual_seed(seed)
+    o = recipe.replace(cov_ratio=COV_RATIO)
+    checks, worst_v, worst_g = [], 0.0, 0.0
+    for B, L, N in ((6, 40, 160), (8, 50, 320)):
+        logp, old, adv, mask = _cov_batch(gen, B, L, N)
+        v1, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, COV_RATIO), logp)
+        v2, g2 = _value_grad(lambda lp: o.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
+        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+    checks += [Check("value", worst_v <= 1e-12, worst_v, "loss at r·N integral (160 and 320 valid tokens)"),
+               Check("gradient", worst_g <= 1e-12, worst_g, "gradient at every valid token")]
+    logp, old, adv, mask = _cov_batch(gen, 6, 40, 150)
+    _, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, COV_RATIO), logp)
+    _, g2 = _value_grad(lambda lp: o.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
+    d = _maxdev(g1[mask], g2[mask])
+    checks.append(Check("selection_count", d <= 1e-12, d, "gradient at r·N = 9.375 (150 valid tokens)"))
+    return VerifyReport(recipe.name, checks)
+
+
+def _candidates(logp, old, adv, mask, eps_low, eps_high, lo, hi):
+    """Clip-Cov's candidates: valid, not clipped by PPO, covariance in (lo, hi) (means over valid tokens)."""
+    m = mask.to(F64)
+    n = m.sum()
+    cov = (adv - (adv * m).sum() / n) * (logp - (logp * m).sum() / n)
+    z = logp - old
+    clipped = ((adv > 0) & (z > math.log1p(eps_high))) | ((adv < 0) & (z < math.log1p(-eps_low)))
+    return mask & ~clipped & (cov > lo) & (cov < hi)
+
+
+def cov_random(fn, recipe, case, *, seed: int, draws: int = 400) -> VerifyReport:
+    """Clip-Cov, whose tokens are drawn at random, compared seeded.
+
+    * every candidate selected (r = 1): both sides are deterministic; ``gradient`` (objective) and ``value``
+      (verl multiplies the selected terms by 0, trajgrad keeps their value and detaches them);
+    * r = 1/16 (160 valid tokens, 10 selected), torch's global RNG seeded (``torch.manual_seed``) before
+      verl's call and trajgrad's generator seeded with the same number: ``selection_rule`` (verl's tokens
+      are the first ⌊rN⌋ of ``torch.randperm`` over the candidates in row-major order, reproduced here
+      from the same seed), ``selection_count``, ``gradient_unselected`` (equal gradients at every token
+      neither side selected), ``same_tokens`` (the two draws pick the same tokens) and ``selection_law``
+      (over ``draws`` seeds both select each candidate with frequency k/|C|, within 0.15).
+    """
+    from ..losses import clip_cov_loss
+
+    gen = torch.Generator().manual_seed(seed)
+    el, eh, lo, hi = recipe.eps_low, recipe.eps_high_, recipe.cov_low, 5.0
+    checks = []
+    every = recipe.replace(cov_ratio=1.0)
+    worst_v = worst_g = 0.0
+    for B, L, N in ((6, 40, 160), (8, 50, 320)):
+        logp, old, adv, mask = _cov_batch(gen, B, L, N)
+        v1, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, 1.0), logp)
+        v2, g2 = _value_grad(lambda lp: every.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
+        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+    checks += [Check("gradient", worst_g <= 1e-12, worst_g, "every candidate selected (r = 1)"),
+               Check("value", worst_v <= 1e-12, worst_v, "every candidate selected (r = 1)")]
+
+    logp, old, adv, mask = _cov_batch(gen, 6, 40, 160)
+    cand = _candidates(logp, old, adv, mask, el, eh, lo, hi)
+    k = min(int(COV_RATIO * 160), int(cand.sum()))
+    ours = lambda lp, s: clip_cov_loss(lp, old, adv, mask, eps_low=el, eps_high=eh, clip_ratio=COV_RATIO,  # noqa: E731
+                                       cov_low=lo, cov_high=hi, seed=s).loss
+
+    def draw(s):
+        torch.manual_seed(s)
+        _, gv = _value_grad(lambda lp: fn(lp, old, adv, mask, COV_RATIO), logp)
+        _, go = _value_grad(lambda lp: ours(lp, s), logp)
+        return cand & (gv == 0), cand & (go == 0), gv, go
+
+    state = torch.random.get_rng_state()
+    try:
+        s_verl, s_ours, gv, go = draw(seed)
+        torch.manual_seed(seed)
+        nz = torch.nonzero(cand)
+        rep = nz[torch.randperm(len(nz))[:k]]
+        s_rep = torch.zeros_like(cand)
+        s_rep[rep[:, 0], rep[:, 1]] = True
+        freq_v = torch.zeros(cand.shape, dtype=F64)
+        freq_o = torch.zeros(cand.shape, dtype=F64)
+        for s in range(draws):
+            a, b, _, _ = draw(10_000 + s)
+            freq_v += a
+            freq_o += b
+    finally:
+        torch.random.set_rng_state(state)
+    counts = (int(s_verl.sum()), int(s_ours.sum()))
+    off = mask & ~s_verl & ~s_ours
+    law = float(max((freq_v[cand] / draws - k / int(cand.sum())).abs().max(),
+                    (freq_o[cand] / draws - k / int(cand.sum())).abs().max()))
+    checks += [
+        Check("selection_rule", bool(torch.equal(s_rep, s_verl)), float((s_rep != s_verl).sum()),
+              "verl's tokens = torch.randperm(|C|)[:⌊rN⌋] of the candidates after torch.manual_seed"),
+        Check("selection_count", counts == (k, k), float(abs(counts[0] - counts[1])),
+              f"both select {k} of {int(cand.sum())} candidates (verl {counts[0]}, trajgrad {counts[1]})"),
+        Check("gradient_unselected", _maxdev(gv[off], go[off]) <= 1e-12, _maxdev(gv[off], go[off]),
+              "equal gradients at the tokens neither side selected"),
+        Check("same_tokens", bool(torch.equal(s_verl, s_ours)), float((s_verl != s_ours).sum()),
+              "the same seed selects the same tokens"),
+        Check("selection_law", law <= 0.15, law, f"each candidate selected with frequency k/|C| ({draws} seeds)"),
+    ]
+    return VerifyReport(recipe.name, checks)

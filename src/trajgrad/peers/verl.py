@@ -124,3 +124,17 @@ def gae_whitened() -> Callable:
         return compute_gae_advantage_return(rewards, values, mask.to(values.dtype), gamma, lam)
 
     return gae_fn
+
+
+def cov_loss(loss_mode: str, **policy_loss_fields) -> Callable:
+    """``loss_fn(logp, old_logp, advantages, mask, ratio)``: verl's ``clip_cov`` / ``kl_cov`` with the selection
+    ratio (``clip_cov_ratio`` / ``kl_cov_ratio``) given per call, token-mean; the other ``PolicyLossConfig``
+    fields from ``policy_loss_fields``. ``clip_cov`` draws its tokens from torch's global RNG."""
+    key = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}[loss_mode]
+
+    def loss_fn(logp, old_logp, advantages, mask, ratio):
+        fields = {**policy_loss_fields, key: ratio}
+        return policy_loss(loss_mode, loss_agg_mode="token-mean", policy_loss_fields=fields)(logp, old_logp,
+                                                                                           advantages, mask)
+
+    return loss_fn
