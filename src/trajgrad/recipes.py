@@ -101,6 +101,10 @@ RECIPES: Dict[str, Objective] = {
         paper=("arXiv 2503.19595: the score-function gradient of max@G with a leave-one-out baseline (verl's "
                "grpo_passk advantages, Bessel std); A ≥ 0, so PPO's dual clip would never act"),
     ),
+    "vespo": Objective(
+        name="vespo", loss="vespo", advantage="group_std", aggregation="token_mean", group_size=8,
+        paper="VESPO (arXiv 2602.10693): Gamma-shaped weight of the sequence IS ratio, (k, λ) = (2, 3) / (3, 2)",
+    ),
     "dro": Objective(
         name="dro", loss="dro", advantage="group_center", aggregation="token_mean", beta=0.1, group_size=8,
         paper=("Richemond et al. 2024 (DRO, arXiv 2405.19107), on-policy policy term as verl's dro; "

@@ -44,6 +44,7 @@ TRL = [
              notes=("TRL's epsilon_high is the weight's cap itself (trajgrad: 1 + eps_high)",)),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='sapo')", partial(T.grpo_loss, "sapo"),
              "sapo", {}, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='vespo')", partial(T.grpo_loss, "vespo"), "vespo", {}),
     PeerCase("trl", "GRPOTrainer._compute_loss(importance_sampling_level='sequence')  [GSPO]",
              partial(T.grpo_loss, "grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
              "gspo", {}, denominator="rows"),

@@ -7,7 +7,8 @@ returns the log-probs under test (so gradients flow from TRL's loss back to them
 TRL's formula is re-written here.
 
 ``loss_fn(logp, old_logp, advantages, mask[, denominator=][, ref_logp=])``: ``denominator`` is
-passed as TRL's ``num_items_in_batch`` for the loss types that read it (``dapo``, ``cispo``);
+passed as TRL's ``num_items_in_batch`` for the loss types that read it (``dapo``, ``cispo``,
+``vespo``);
 ``ref_logp`` as ``ref_per_token_logps`` when ``beta > 0``.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Callable, Optional
 import torch
 
 PINNED = "1.16.0"
+# TRL's loss types that divide by the accumulated batch's token count (``num_items_in_batch``)
+GLOBAL_COUNT_TYPES = ("dapo", "cispo", "vespo")
 
 
 class _Accelerator:
@@ -42,7 +45,8 @@ def _state(loss_type: str, *, beta: float, epsilon_low: float, epsilon_high: flo
            sapo_temperature_pos: float, sapo_temperature_neg: float):
     args = SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=delta,
                            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                           steps_per_generation=1)
+                           steps_per_generation=1, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                           vespo_lambda_neg=2.0)
     return SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
@@ -78,6 +82,7 @@ def grpo_loss(
                        use_bias_correction_kl=use_bias_correction_kl, delta=delta,
                        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
         state._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp).detach(), None)
+        state.get_gamma_weights = GRPOTrainer.get_gamma_weights  # TRL's own (a static method), for "vespo"
         m = mask.to(logp.dtype)
         inputs = {
             "prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.long),
@@ -91,7 +96,7 @@ def grpo_loss(
             inputs["ref_per_token_logps"] = ref_logp
         return GRPOTrainer._compute_loss(state, None, inputs)
 
-    if loss_type not in ("dapo", "cispo"):
+    if loss_type not in GLOBAL_COUNT_TYPES:
         # the other loss types normalize within the micro-batch and read no global count
         def per_batch(logp, old_logp, advantages, mask, ref_logp=None):
             return loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp)

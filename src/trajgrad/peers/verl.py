@@ -126,11 +126,15 @@ def gae_whitened() -> Callable:
     return gae_fn
 
 
+# verl's loss mode -> the PolicyLossConfig field holding its selection ratio
+COV_RATIO_FIELD = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}
+
+
 def cov_loss(loss_mode: str, **policy_loss_fields) -> Callable:
     """``loss_fn(logp, old_logp, advantages, mask, ratio)``: verl's ``clip_cov`` / ``kl_cov`` with the selection
     ratio (``clip_cov_ratio`` / ``kl_cov_ratio``) given per call, token-mean; the other ``PolicyLossConfig``
     fields from ``policy_loss_fields``. ``clip_cov`` draws its tokens from torch's global RNG."""
-    key = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}[loss_mode]
+    key = COV_RATIO_FIELD[loss_mode]
 
     def loss_fn(logp, old_logp, advantages, mask, ratio):
         fields = {**policy_loss_fields, key: ratio}
