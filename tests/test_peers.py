@@ -38,6 +38,17 @@ def test_a_wrong_mapping_is_reported_as_differs():
     assert run_case(wrong).status == "differs"
     missing_option = PeerCase("verl", "grpo advantage, population std", V.grpo_advantage, "grpo", kind="advantage")
     assert run_case(missing_option).status == "differs"
+    kl_cov_coef = PeerCase("verl", "kl_cov with the paper's β = 1", partial(V.cov_loss, "kl_cov"), "kl_cov",
+                           kind="cov_topk")  # verl's PolicyLossConfig default is 0.1
+    assert run_case(kl_cov_coef).status == "differs"
+    unseeded_count = PeerCase("verl", "clip_cov, Dr. GRPO's clip range", partial(V.cov_loss, "clip_cov"), "clip_cov",
+                              {"eps_low": 0.1}, kind="cov_random")
+    assert run_case(unseeded_count).status == "differs"
+    if HAVE["trl"]:
+        from trajgrad.peers import trl as T
+
+        ipo_as_dpo = PeerCase("trl", "ipo as sigmoid", partial(T.dpo_loss, "ipo"), "dpo", kind="pairwise")
+        assert run_case(ipo_as_dpo).status == "differs"
 
 
 def test_unknown_peer_is_a_clear_error():

@@ -50,6 +50,21 @@ TRL = [
              "gspo", {}, denominator="rows"),
 ]
 
+TRL += [
+    PeerCase("trl", "DPOTrainer._compute_loss(loss_type=['sigmoid'])  [DPO, TRL's default]", partial(T.dpo_loss, "sigmoid"),
+             "dpo", {}, kind="pairwise",
+             notes=("TRL's sigmoid ignores label_smoothing (trajgrad's is conservative DPO for ε > 0; equal at ε = 0)",)),
+    PeerCase("trl", "DPOTrainer._compute_loss(loss_type=['hinge'])  [SLiC]", partial(T.dpo_loss, "hinge"),
+             "dpo", {"dpo_loss_type": "hinge"}, kind="pairwise"),
+    PeerCase("trl", "DPOTrainer._compute_loss(loss_type=['ipo'])", partial(T.dpo_loss, "ipo"),
+             "dpo", {"dpo_loss_type": "ipo"}, kind="pairwise",
+             notes=("TRL divides each log-ratio by the response's token count: trajgrad's ipo with the lengths "
+                    "passed (chosen_length / rejected_length); without them it is the paper's summed form",)),
+    PeerCase("trl", "DPOTrainer._compute_loss(loss_type=['robust'], label_smoothing=0.1)  [rDPO]",
+             partial(T.dpo_loss, "robust", label_smoothing=0.1), "dpo",
+             {"dpo_loss_type": "robust", "label_smoothing": 0.1}, kind="pairwise"),
+]
+
 VERL = [
     PeerCase("verl", "compute_policy_loss_vanilla + kl_penalty('low_var_kl') in the loss, defaults  [recipe verl-grpo]",
              partial(V.policy_loss_with_kl, "low_var_kl", 0.001), "verl-grpo", {}, include_kl=True),

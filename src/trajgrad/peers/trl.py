@@ -108,3 +108,53 @@ def grpo_loss(
         return lambda logp, old_logp, advantages, mask, denominator=None: loss_fn(logp, old_logp, advantages, mask,
                                                                                denominator=denominator)
     return loss_fn
+
+
+class _PairModel:
+    """Stands in for the policy in ``DPOTrainer._compute_loss``: returns the log-probs under test per token."""
+
+    training = True
+
+    def __init__(self, per_token_logps: torch.Tensor):
+        self.lp = per_token_logps
+
+    def __call__(self, **kwargs):
+        z = torch.zeros_like(self.lp).detach()
+        return SimpleNamespace(log_probs=self.lp, entropy=z, mean_logits=z, is_top1=torch.zeros_like(z, dtype=torch.bool),
+                               aux_loss=None)
+
+
+def _spread(seq_logp: torch.Tensor, lengths: torch.Tensor, L: int) -> torch.Tensor:
+    """``[B, L]`` per-token log-probs summing to ``seq_logp`` over the first ``lengths`` tokens (0 after)."""
+    m = (torch.arange(L)[None, :] < lengths[:, None]).to(seq_logp.dtype)
+    return seq_logp[:, None] / lengths[:, None].to(seq_logp.dtype) * m
+
+
+def dpo_loss(loss_type: str = "sigmoid", *, beta: float = 0.1, label_smoothing: float = 0.0) -> Callable:
+    """``loss_fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_length, rejected_length)``
+    running ``trl.DPOTrainer._compute_loss`` (TRL's code, unchanged) with ``DPOConfig(loss_type=[loss_type])``,
+    precomputed reference log-probs and the reverse-KL f-divergence (TRL's defaults). The policy's forward pass
+    is replaced by the log-probs under test, spread over each response's tokens (TRL sums them back)."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    def loss_fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_length, rejected_length):
+        lengths = torch.cat([chosen_length, rejected_length]).long()
+        L = int(lengths.max())
+        per_token = torch.cat([_spread(chosen_logp, lengths[: len(chosen_length)], L),
+                               _spread(rejected_logp, lengths[len(chosen_length):], L)])
+        # position 0 stands for the prompt: TRL's labels are the completion mask shifted by one
+        completion = torch.cat([torch.zeros(len(lengths), 1, dtype=torch.long),
+                                (torch.arange(L)[None, :] < lengths[:, None]).long()], dim=1)
+        state = SimpleNamespace(
+            model=SimpleNamespace(training=True), accelerator=SimpleNamespace(
+                device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
+            aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+            loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing,
+            use_weighting=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+            _total_train_tokens=0, _tp_size=1)
+        inputs = {"input_ids": torch.zeros_like(completion), "attention_mask": torch.ones_like(completion),
+                  "completion_mask": completion, "ref_chosen_logps": ref_chosen_logp,
+                  "ref_rejected_logps": ref_rejected_logp}
+        return DPOTrainer._compute_loss(state, _PairModel(per_token), inputs, False)
+
+    return loss_fn
