@@ -103,3 +103,15 @@ def test_registry_entries_call_the_core_functions():
     assert torch.allclose(o.sequence_advantages(r).advantages, _passk_loop(r, o.std_eps), atol=1e-12)
     g = get_recipe("gpg")
     assert torch.equal(g.sequence_advantages(r).advantages, gpg_advantages(r).advantages)
+
+
+def test_remax_subtracts_the_greedy_reward_and_checks_its_input():
+    from trajgrad.group_baselines import remax_advantages
+
+    r = torch.tensor([1.0, 0.0, 2.0], dtype=F64)
+    b = torch.tensor([0.5, 0.5, 1.0], dtype=F64)
+    assert torch.equal(remax_advantages(r, b), torch.tensor([0.5, -0.5, 1.0], dtype=F64))
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        remax_advantages(r, b[:2])
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        remax_advantages(r, torch.tensor([0.0, float("nan"), 0.0]))

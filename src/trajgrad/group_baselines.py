@@ -7,6 +7,8 @@ r"""Outcome advantages with group baselines other than the mean: Pass@k, GPG, OP
                             carry a signal (GPG, Chu et al. 2025)
 ``opo_advantages``          :math:`R_i-\sum_jL_jR_j/\sum_jL_j`, the length-weighted group mean
                             (OPO, Hao et al. 2025)
+``remax_advantages``        :math:`R_i-R(\hat y_i)`, the reward of the greedy response as the
+                            baseline (ReMax, Li et al. 2023)
 ==========================  ================================================================
 
 Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
@@ -22,7 +24,7 @@ import torch
 from . import _checks
 from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats
 
-__all__ = ["passk_advantages", "gpg_advantages", "opo_advantages"]
+__all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages"]
 GPG_COUNTS = ("valid", "nonzero")
 
 
@@ -176,3 +178,26 @@ def opo_advantages(
         raise ValueError("lengths: every group needs a positive total length")
     b = torch.zeros(K, dtype=r.dtype, device=r.device).index_add_(0, inv, flat_w * flat_r) / wsum
     return GroupAdvantages(restore(flat_r - b[inv]), mean, std, zero_variance)
+
+
+def remax_advantages(rewards: torch.Tensor, baseline_rewards: torch.Tensor) -> torch.Tensor:
+    r"""ReMax advantages: the sampled response's reward minus the greedy response's (Li et al. 2023, arXiv 2310.10505).
+
+    .. math:: A_i=R(x_i,y_i)-R(x_i,\hat y_i),\qquad \hat y_i=\text{the greedy decoding for } x_i.
+
+    The greedy response's reward is a baseline that does not depend on the sampled
+    :math:`y_i`, so REINFORCE with it stays unbiased (§5), at the cost of one extra greedy
+    generation per prompt and no critic. Rollouts of one prompt share the prompt's baseline.
+
+    Args:
+      rewards: ``[M]`` (or any shape) rewards of the sampled responses. Detached.
+      baseline_rewards: the greedy responses' rewards, the shape of ``rewards``. Detached.
+
+    Returns:
+      ``[M]`` advantages (a tensor: there is no group statistic to report).
+    """
+    r = _rewards(rewards)
+    b = _checks.as_tensor("baseline_rewards", baseline_rewards).detach().to(r.dtype)
+    _checks.check_shape("baseline_rewards", b, r.shape, against="rewards")
+    _checks.check_finite("baseline_rewards", b)
+    return r - b

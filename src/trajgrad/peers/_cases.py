@@ -37,8 +37,11 @@ TRL = [
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dr_grpo')",
              partial(T.grpo_loss, "dr_grpo", max_completion_length=TRL_MAX_LEN), "dr_grpo",
              {"constant": float(TRL_MAX_LEN)}, denominator="rows"),
-    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='luspo')", partial(T.grpo_loss, "luspo"),
-             "grpo", {**NO_KL, "aggregation": "seq_mean_token_sum"}, denominator="rows"),
+    PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='luspo', importance_sampling_level='sequence')",
+             partial(T.grpo_loss, "luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+             "gspo", {"aggregation": "seq_mean_token_sum"}, denominator="rows",
+             notes=("LUSPO = GSPO's sequence term weighted by the response length: aggregation seq_mean_token_sum "
+                    "(TRL refuses luspo at token level)",)),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='cispo', epsilon_high=5.0)",
              partial(T.grpo_loss, "cispo", epsilon_high=5.0), "cispo", {"eps_high": 4.0},
              notes=("TRL's epsilon_high is the weight's cap itself (trajgrad: 1 + eps_high)",)),
@@ -121,6 +124,10 @@ VERL = [
              {"kl_kind": "low_var_kl"}, kind="kl"),
     PeerCase("verl", "kl_penalty('k3+')  [straight-through]", partial(V.kl_penalty, "k3+"), "grpo",
              {"kl_kind": "low_var_kl+"}, kind="kl"),
+    PeerCase("verl", "kl_penalty('k1+')  [straight-through]", partial(V.kl_penalty, "k1+"), "grpo",
+             {"kl_kind": "k1+"}, kind="kl"),
+    PeerCase("verl", "kl_penalty('low_var_kl+')", partial(V.kl_penalty, "low_var_kl+"), "grpo",
+             {"kl_kind": "low_var_kl+"}, kind="kl"),
     PeerCase("verl", "compute_gae_advantage_return + masked_whiten  [verl-ppo advantages]", V.gae_whitened,
              "ppo", {"whiten_advantages": True, "gamma": 1.0, "lam": 0.95}, kind="token_advantage"),
 ]
@@ -165,6 +172,22 @@ def _opo(r, gids, lengths):
     return opo_advantages(r, lengths, group_ids=gids).advantages
 
 
+def _greedy_reward(r, gids):
+    """A stand-in for the greedy response's reward, one per prompt: its first rollout's reward minus 0.5."""
+    import torch
+
+    first = {}
+    for i, g in enumerate(gids.tolist()):
+        first.setdefault(g, float(r[i]) - 0.5)
+    return torch.tensor([first[g] for g in gids.tolist()], dtype=r.dtype)
+
+
+def _remax(r, gids, lengths):
+    from ..group_baselines import remax_advantages
+
+    return remax_advantages(r, _greedy_reward(r, gids))
+
+
 TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count and Bessel's "
                   "correction counts tokens, 1/(N_tokens − 1); the recipe's estimator weighs every response once "
                   "with 1/(N_responses − 1) (the paper's form), so they differ even at equal lengths")
@@ -200,6 +223,10 @@ VERL += [
              notes=("the length-weighted baseline needs the response lengths, which Objective.sequence_advantages does "
                     "not take: compared against trajgrad.group_baselines.opo_advantages; equal lengths = dr_grpo's",
                     "a group of one keeps its raw reward (baseline 0); trajgrad's baseline is the response itself (A = 0)")),
+    PeerCase("verl", "compute_remax_outcome_advantage", partial(V.remax_advantage, _greedy_reward), "reinforce", {},
+             kind="advantage", ours=_remax, ours_name="remax_advantages(baseline_rewards=greedy rewards)",
+             notes=("the greedy response's reward is an input (a stand-in per prompt here); no registry estimator: "
+                    "the trainer does not generate the greedy response",)),
     PeerCase("verl", "compute_policy_loss_dro(dro_beta=0.1)",
              partial(V.policy_loss, "dro", loss_agg_mode="token-mean", policy_loss_fields={"dro_beta": 0.1}),
              "dro", {}),
@@ -222,13 +249,6 @@ VERL += [
              partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
                      policy_loss_fields={"rollout_correction": {"loss_type": "reinforce", "rollout_is": None}}),
              "reinforce", {"aggregation": "token_mean"}, notes=(BYPASS,)),
-    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce')  [rollout_is='sequence', default]",
-             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
-                     policy_loss_fields={"rollout_correction": {"loss_type": "reinforce"}}),
-             "reinforce", {"aggregation": "token_mean"}, notes=(BYPASS,),
-             no_counterpart=("each response is weighted by sg[min(Π_t π_θ/π_rollout, 2)], a truncated sequence IS "
-                             "weight of the *current* policy on −A · log π; trajgrad's rollout correction takes its "
-                             "weight from π_old/π_behaviour (decoupled) and refuses truncated IS in bypass mode")),
     PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce', rollout_is='token')",
              partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
                      policy_loss_fields={"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token",
@@ -238,3 +258,42 @@ VERL += [
 ]
 
 CASES = {"trl": TRL, "verl": VERL}
+
+# compared, and they differ: trajgrad has no counterpart (tests/test_peers.py runs them and checks they differ)
+DIFFERS = {"trl": [], "verl": [
+    PeerCase("verl", "compute_policy_loss_bypass_mode(loss_type='reinforce')  [rollout_is='sequence', default]",
+             partial(V.policy_loss, "bypass_mode", loss_agg_mode="token-mean",
+                     policy_loss_fields={"rollout_correction": {"loss_type": "reinforce"}}),
+             "reinforce", {"aggregation": "token_mean"}, notes=(BYPASS,),
+             no_counterpart=("each response is weighted by sg[min(Π_t π_θ/π_rollout, 2)], a truncated sequence IS "
+                             "weight of the *current* policy on −A · log π; trajgrad's rollout correction takes its "
+                             "weight from π_old/π_behaviour (decoupled) and refuses truncated IS in bypass mode")),
+]}
+
+_NO_DPO = ("no trajgrad counterpart (trajgrad's pairwise losses: sigmoid, robust, hinge, ipo, simpo)")
+# not compared: (peer function or setting, why)
+UNCOVERED = {
+    "trl": [
+        ("DPOTrainer loss_type exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
+         "discopop, sft, sigmoid_norm", _NO_DPO),
+        ("DPOTrainer f_divergence_type forward_kl / js_divergence / alpha_divergence, ld_alpha, use_weighting (WPO)",
+         "no trajgrad counterpart: trajgrad's DPO scores are the reverse-KL log-ratios"),
+        ("GRPOTrainer delta (INTELLECT-2's two-sided ratio cap), off_policy_mask_threshold (OPSM), "
+         "top_entropy_quantile", "no trajgrad counterpart as an Objective option"),
+        ("GRPOTrainer's advantages (scale_rewards group / batch / none)",
+         "computed inside _generate_and_score_completions together with generation, not a function that can be "
+         "called alone; the recipes trl-grpo / trl-dapo are checked against the documented defaults "
+         "(tests/test_peer_recipes.py)"),
+    ],
+    "verl": [
+        ("compute_policy_loss_bypass_mode(loss_type='reinforce')  [rollout_is='sequence', verl's default]",
+         "compared: differs — " + DIFFERS["verl"][0].no_counterpart),
+        ("compute_optimal_token_baseline_advantage, compute_multi_turn_optimal_token_baseline_advantage",
+         "no trajgrad counterpart: per-token baselines from Σ_v π(v)² of the rollout policy (a token-level "
+         "estimator without a critic; trajgrad's token-level estimator is GAE)"),
+        ("kl_penalty('abs') (and 'abs+')", "no trajgrad counterpart: |log π_θ − log π_ref| is not one of kl_kind's "
+         "estimators ('kl' and 'mse' are verl's aliases of 'k1' and 'k2', compared above)"),
+        ("compute_gdpo_outcome_advantage with several reward components (gdpo_reward_keys)",
+         "compared with one component only; trajgrad.advantages.gdpo_advantages takes [M, K] components"),
+    ],
+}

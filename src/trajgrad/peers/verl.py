@@ -102,6 +102,24 @@ def outcome_advantage(name: str, *, config: Optional[dict] = None, **kwargs) -> 
     return adv_fn
 
 
+def remax_advantage(baseline: Callable) -> Callable:
+    """verl's ``compute_remax_outcome_advantage``: ``adv_fn(rewards, group_ids, lengths)`` with the greedy
+    responses' rewards ``baseline(rewards, group_ids)`` (verl's ``reward_baselines``)."""
+    from verl.trainer.ppo.core_algos import compute_remax_outcome_advantage
+
+    def adv_fn(rewards, group_ids, lengths=None):
+        M = rewards.shape[0]
+        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
+        L = int(lengths.max())
+        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
+        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
+        token_rewards[torch.arange(M), lengths - 1] = rewards
+        adv, _ = compute_remax_outcome_advantage(token_rewards, baseline(rewards, group_ids), mask)
+        return adv[:, 0]
+
+    return adv_fn
+
+
 def rloo_advantage() -> Callable:
     """verl's ``compute_rloo_outcome_advantage`` (see :func:`outcome_advantage`)."""
     return outcome_advantage("rloo")
