@@ -1,4 +1,6 @@
 """Pass@k, GPG and OPO advantages against hand-written loops; bad input names the argument."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -115,3 +117,86 @@ def test_remax_subtracts_the_greedy_reward_and_checks_its_input():
         remax_advantages(r, b[:2])
     with pytest.raises(ValueError, match="baseline_rewards"):
         remax_advantages(r, torch.tensor([0.0, float("nan"), 0.0]))
+
+
+def _otb_inputs(seed, B=7, L=9):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    r = torch.where(mask, torch.randn(B, L, generator=g, dtype=F64) * (torch.rand(B, L, generator=g) > 0.6), 0.0)
+    probs = torch.softmax(torch.randn(B, L, 5, generator=g, dtype=F64), -1)
+    lp = torch.log(probs[..., 0])
+    s2 = probs.square().sum(-1)
+    gids = torch.tensor([0, 0, 0, 1, 1, 2, 2])[:B]
+    return r, mask, gids, lp, s2
+
+
+def _otb_loop(r, mask, gids, lp, s2, eps=1e-8, zero_lone=True):
+    B, L = r.shape
+    G = torch.zeros(B, L, dtype=F64)
+    W = torch.zeros(B, L, dtype=F64)
+    for i in range(B):
+        acc = 0.0
+        for t in range(L):
+            if mask[i, t]:
+                acc += 1 - 2 * math.exp(float(lp[i, t])) + float(s2[i, t])
+                W[i, t] = acc
+                G[i, t] = sum(float(r[i, u]) for u in range(t, L) if mask[i, u])
+    adv = torch.zeros(B, L, dtype=F64)
+    for i in range(B):
+        members = [j for j in range(B) if gids[j] == gids[i]]
+        for t in range(L):
+            if not mask[i, t]:
+                continue
+            alive = [j for j in members if mask[j, t]]
+            b = sum(float(G[j, t] * W[j, t]) for j in alive) / (sum(float(W[j, t]) for j in alive) + eps)
+            if zero_lone and len(alive) == 1:
+                b = 0.0
+            adv[i, t] = G[i, t] - b
+    return adv, G
+
+
+@pytest.mark.parametrize("zero_lone", [True, False])
+def test_optimal_token_baseline_equals_the_loop(zero_lone):
+    from trajgrad.group_baselines import optimal_token_baseline
+
+    for seed in range(3):
+        r, mask, gids, lp, s2 = _otb_inputs(seed)
+        got = optimal_token_baseline(r, mask, gids, lp, s2, zero_lone=zero_lone)
+        want_a, want_g = _otb_loop(r, mask, gids, lp, s2, zero_lone=zero_lone)
+        assert torch.allclose(got.advantages, want_a, atol=1e-12) and torch.allclose(got.returns, want_g, atol=1e-12)
+        assert (got.advantages[~mask] == 0).all()
+
+
+def test_optimal_token_baseline_with_equal_energy_is_the_mean_of_the_live_returns():
+    """w_t = 1 everywhere (Σπ² = 2π): W_t = t + 1 for every right-padded response, so b_t is the plain mean of
+    the returns of the responses still running at t."""
+    from trajgrad.group_baselines import optimal_token_baseline
+
+    r, mask, gids, lp, _ = _otb_inputs(5)
+    s2 = 2 * lp.exp()
+    got = optimal_token_baseline(r, mask, gids, lp, s2, eps=0.0, zero_lone=False)
+    for i in range(r.shape[0]):
+        for t in range(r.shape[1]):
+            if mask[i, t]:
+                alive = [j for j in range(r.shape[0]) if gids[j] == gids[i] and mask[j, t]]
+                mean = sum(float(got.returns[j, t]) for j in alive) / len(alive)
+                assert math.isclose(float(got.advantages[i, t]), float(got.returns[i, t]) - mean, abs_tol=1e-12)
+
+
+def test_optimal_token_baseline_ignores_masked_nan_and_names_bad_inputs():
+    from trajgrad.group_baselines import optimal_token_baseline
+
+    r, mask, gids, lp, s2 = _otb_inputs(6)
+    ref = optimal_token_baseline(r, mask, gids, lp, s2).advantages
+    nan = torch.tensor(float("nan"), dtype=F64)
+    poisoned = [torch.where(mask, x, nan) for x in (r, lp, s2)]
+    assert torch.equal(optimal_token_baseline(poisoned[0], mask, gids, poisoned[1], poisoned[2]).advantages, ref)
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        optimal_token_baseline(r, mask, gids, lp, s2[:, :-1])
+    with pytest.raises(ValueError, match="behaviour_logp"):
+        optimal_token_baseline(r, mask, gids, torch.where(mask, nan, lp), s2)
+    with pytest.raises(ValueError, match="group_ids"):
+        optimal_token_baseline(r, mask, gids.to(F64), lp, s2)
+    with pytest.raises(ValueError, match="eps"):
+        optimal_token_baseline(r, mask, gids, lp, s2, eps=-1.0)

@@ -9,6 +9,8 @@ r"""Outcome advantages with group baselines other than the mean: Pass@k, GPG, OP
                             (OPO, Hao et al. 2025)
 ``remax_advantages``        :math:`R_i-R(\hat y_i)`, the reward of the greedy response as the
                             baseline (ReMax, Li et al. 2023)
+``optimal_token_baseline``  a baseline per token position, the group's returns weighted by
+                            each path's cumulative logit-gradient norm (OTB, Li et al. 2026)
 ==========================  ================================================================
 
 Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
@@ -17,14 +19,20 @@ Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` wi
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _checks
 from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats
 
-__all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages"]
+__all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages", "optimal_token_baseline",
+           "TokenAdvantages"]
+
+
+class TokenAdvantages(NamedTuple):
+    advantages: torch.Tensor  # [B, L], 0 at masked positions
+    returns: torch.Tensor     # [B, L] reward-to-go, 0 at masked positions
 GPG_COUNTS = ("valid", "nonzero")
 
 
@@ -201,3 +209,96 @@ def remax_advantages(rewards: torch.Tensor, baseline_rewards: torch.Tensor) -> t
     _checks.check_shape("baseline_rewards", b, r.shape, against="rewards")
     _checks.check_finite("baseline_rewards", b)
     return r - b
+
+
+def optimal_token_baseline(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    *,
+    is_weights: Optional[torch.Tensor] = None,
+    zero_lone: bool = True,
+    eps: float = 1e-8,
+) -> TokenAdvantages:
+    r"""Optimal Token Baseline: a per-position baseline weighted by the path's gradient energy.
+
+    Li et al. 2026, "The Optimal Token Baseline: Variance Reduction for Long-Horizon LLM-RL"
+    (arXiv 2602.07078); verl's ``optimal_token_baseline``. For response :math:`i` of a group
+    and token position :math:`t`, with reward-to-go :math:`G_{i,t}` (γ = 1, §3):
+
+    .. math::
+        w_{i,t}=1-2\pi_{i,t}+\sum_v\pi_{i,t}(v)^2=\lVert e_{y_{i,t}}-\pi_{i,t}\rVert^2,\qquad
+        W_{i,t}=\sum_{j\le t}m_{i,j}\,w_{i,j},
+
+    .. math::
+        b_t=\frac{\sum_i m_{i,t}\,G_{i,t}\,W_{i,t}}{\sum_i m_{i,t}\,W_{i,t}+\epsilon},\qquad
+        A_{i,t}=G_{i,t}-b_t .
+
+    :math:`w` is the squared norm of the gradient of :math:`\log\pi(y_t)` with respect to the
+    logits (the paper's logit-gradient proxy, from forward-pass probabilities only:
+    :math:`\pi_{i,t}` the sampled token's probability, :math:`\sum_v\pi(v)^2` over the
+    vocabulary). :math:`W` is its cumulative sum along the response: the minimum-variance
+    constant baseline for the score :math:`\sum_{j\le t}\nabla\log\pi` weighs each path's
+    return by that score's squared norm. With ``is_weights`` :math:`\bar\rho` (truncated
+    rollout IS weights) :math:`w` is multiplied by :math:`\bar\rho^2`.
+
+    ``zero_lone``: where a response is its group's only valid one at a position (the tail of
+    the longest response; a group of one), the baseline would be its own return and the
+    advantage 0; it is set to 0 there instead (verl's ``handle_zero_tail``, which zeroes the
+    columns past the second-longest length: the same for right-padded responses without
+    interior observation tokens).
+
+    Args:
+      token_rewards: ``[B, L]`` per-token rewards (detached).
+      mask: ``[B, L]`` action mask (NaN/inf allowed at masked positions of every input).
+      group_ids: ``[B]`` integer group labels (responses to one prompt).
+      behaviour_logp: ``[B, L]`` log-probs of the sampled tokens under the rollout policy.
+      sum_pi_squared: ``[B, L]`` :math:`\sum_v\pi(v)^2` of the rollout policy's distribution.
+      is_weights: optional ``[B, L]`` IS weights :math:`\bar\rho\ge0`.
+      zero_lone: see above.
+      eps: :math:`\epsilon\ge0` in the denominator.
+
+    Returns:
+      :class:`TokenAdvantages` (advantages and reward-to-go, 0 at masked positions); detached.
+    """
+    from .returns import reward_to_go
+
+    eps = _eps(eps)
+    r = _checks.as_tensor("token_rewards", token_rewards)
+    _checks.check_ndim("token_rewards", r, 2)
+    shape = tuple(r.shape)
+    m = _checks.check_mask("mask", mask, shape)
+    ids = _checks.as_tensor("group_ids", group_ids)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"group_ids: expected an integer tensor, got dtype {ids.dtype}")
+    _checks.check_shape("group_ids", ids, (shape[0],), against="token_rewards' rows")
+    zero = torch.zeros((), dtype=r.dtype if r.is_floating_point() else torch.get_default_dtype())
+
+    def token_input(name, x):
+        x = _checks.as_tensor(name, x).detach()
+        _checks.check_shape(name, x, shape, against="token_rewards")
+        x = torch.where(m, x.to(zero.dtype), zero)
+        _checks.check_finite(name, x)
+        return x
+
+    lp = token_input("behaviour_logp", behaviour_logp)
+    s2 = token_input("sum_pi_squared", sum_pi_squared)
+    with torch.no_grad():
+        G = reward_to_go(token_input("token_rewards", r), gamma=1.0, mask=m)
+        w = 1.0 - 2.0 * torch.exp(torch.where(m, lp, zero)) + s2
+        if is_weights is not None:
+            w = w * token_input("is_weights", is_weights).square()
+        mf = m.to(zero.dtype)
+        W = torch.cumsum(w * mf, dim=-1) * mf
+        _, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        K = int(inverse.max()) + 1 if inverse.numel() else 0
+        num = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, G * W)
+        den = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, W)
+        count = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, mf)
+        b = (num / (den + eps))[inverse] if eps > 0 else torch.where(den > 0, num / den.clamp_min(1e-300), zero)[inverse]
+        if zero_lone:
+            b = torch.where(count[inverse] <= 1, zero, b)
+        adv = torch.where(m, G - b, zero)
+    return TokenAdvantages(adv, G)

@@ -56,6 +56,7 @@ class PeerCase:
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
     kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov_topk" | "cov_random" | "pairwise"
+                                    # | "token_baseline"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
@@ -106,6 +107,8 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
             report = _compare.cov_topk(fn, recipe, case, seed=seed)
         elif case.kind == "cov_random":
             report = _compare.cov_random(fn, recipe, case, seed=seed)
+        elif case.kind == "token_baseline":
+            report = _compare.token_baseline(fn, recipe, case, seed=seed)
         elif case.kind == "pairwise":
             report = _compare.pairwise(fn, recipe, seed=seed)
         elif case.kind == "token_advantage":

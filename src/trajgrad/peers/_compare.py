@@ -259,3 +259,28 @@ def pairwise(fn, recipe, *, seed: int) -> VerifyReport:
         Check("gradient", worst_g <= 1e-9, worst_g, "gradients w.r.t. chosen / rejected log-probs"),
         Check("zero_advantage", eq <= 1e-12, eq, "equal implicit margins: the same value"),
     ])
+
+
+def token_baseline(fn, recipe, case, *, seed: int) -> VerifyReport:
+    """Per-token baselines without a critic (``case.ours`` with the same arguments): random groups of
+    right-padded responses (G = 2, 4, one group of one), outcome rewards at the last token plus a few
+    intermediate ones, the rollout policy's sampled-token log-probs and Σ_v π(v)² of random softmaxes."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for G, N, L in ((2, 3, 10), (4, 4, 16)):
+        B = G * N + 1
+        gids = torch.cat([torch.arange(N).repeat_interleave(G), torch.tensor([N])])
+        lengths = torch.randint(1, L + 1, (B,), generator=gen)
+        mask = torch.arange(L)[None, :] < lengths[:, None]
+        rewards = torch.zeros(B, L, dtype=F64)
+        rewards[torch.arange(B), lengths - 1] = torch.randn(B, generator=gen, dtype=F64)
+        rewards = torch.where(mask & (torch.rand(B, L, generator=gen) > 0.8),
+                              rewards + 0.3 * torch.randn(B, L, generator=gen, dtype=F64), rewards)
+        probs = torch.softmax(2 * torch.randn(B, L, 7, generator=gen, dtype=F64), -1)
+        tok = torch.randint(0, 7, (B, L), generator=gen)
+        lp = torch.log(probs.gather(-1, tok[..., None])[..., 0])
+        s2 = probs.square().sum(-1)
+        got = fn(rewards, mask, gids, lp, s2)
+        want = case.ours(rewards, mask, gids, lp, s2)
+        worst = max(worst, _maxdev(got[mask], want[mask]))
+    return VerifyReport(recipe.name, [Check("value", worst <= 1e-9, worst, "advantages at every action token")])

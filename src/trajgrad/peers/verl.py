@@ -160,3 +160,17 @@ def cov_loss(loss_mode: str, **policy_loss_fields) -> Callable:
                                                                                            advantages, mask)
 
     return loss_fn
+
+
+def optimal_token_baseline() -> Callable:
+    """``otb_fn(token_rewards, mask, group_ids, behaviour_logp, sum_pi_squared) -> [B, L]``: verl's
+    ``compute_optimal_token_baseline_advantage`` (``handle_zero_tail=True``, no IS weights)."""
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    def otb_fn(token_rewards, mask, group_ids, behaviour_logp, sum_pi_squared):
+        adv, _ = compute_optimal_token_baseline_advantage(
+            token_rewards, mask.to(token_rewards.dtype), np.asarray(group_ids.tolist()), behaviour_logp,
+            sum_pi_squared)
+        return adv
+
+    return otb_fn
