@@ -200,3 +200,38 @@ def test_optimal_token_baseline_ignores_masked_nan_and_names_bad_inputs():
         optimal_token_baseline(r, mask, gids.to(F64), lp, s2)
     with pytest.raises(ValueError, match="eps"):
         optimal_token_baseline(r, mask, gids, lp, s2, eps=-1.0)
+
+
+def test_optimal_token_baseline_aligned_by_action_index_equals_the_loop():
+    """align="action": the k-th action token of each response shares the baseline, whatever observation
+    tokens came before it (multi-turn responses)."""
+    from trajgrad.group_baselines import optimal_token_baseline
+
+    r, mask, gids, lp, s2 = _otb_inputs(8)
+    mask = mask.clone()
+    mask[0, 1:3] = False   # tool observations inside two responses
+    mask[3, 2] = False
+    mask[:, 0] = True
+    r = torch.where(mask, r, 0.0)
+    got = optimal_token_baseline(r, mask, gids, lp, s2, align="action")
+    _, G = _otb_loop(r, mask, gids, lp, s2)
+    B, L = r.shape
+    W = torch.zeros(B, L, dtype=F64)
+    for i in range(B):
+        acc = 0.0
+        for t in range(L):
+            if mask[i, t]:
+                acc += 1 - 2 * math.exp(float(lp[i, t])) + float(s2[i, t])
+                W[i, t] = acc
+    cols = [[t for t in range(L) if mask[i, t]] for i in range(B)]
+    for i in range(B):
+        members = [j for j in range(B) if gids[j] == gids[i]]
+        for k, t in enumerate(cols[i]):
+            alive = [(j, cols[j][k]) for j in members if len(cols[j]) > k]
+            b = sum(float(G[j, u] * W[j, u]) for j, u in alive) / (sum(float(W[j, u]) for j, u in alive) + 1e-8)
+            b = 0.0 if len(alive) == 1 else b
+            assert math.isclose(float(got.advantages[i, t]), float(G[i, t]) - b, abs_tol=1e-12)
+    position = optimal_token_baseline(r, mask, gids, lp, s2).advantages
+    assert not torch.allclose(position, got.advantages)
+    with pytest.raises(ValueError, match="align"):
+        optimal_token_baseline(r, mask, gids, lp, s2, align="turn")

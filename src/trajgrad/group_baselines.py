@@ -34,6 +34,7 @@ class TokenAdvantages(NamedTuple):
     advantages: torch.Tensor  # [B, L], 0 at masked positions
     returns: torch.Tensor     # [B, L] reward-to-go, 0 at masked positions
 GPG_COUNTS = ("valid", "nonzero")
+OTB_ALIGN = ("position", "action")
 
 
 def _flat(r: torch.Tensor, group_ids):
@@ -220,6 +221,7 @@ def optimal_token_baseline(
     *,
     is_weights: Optional[torch.Tensor] = None,
     zero_lone: bool = True,
+    align: str = "position",
     eps: float = 1e-8,
 ) -> TokenAdvantages:
     r"""Optimal Token Baseline: a per-position baseline weighted by the path's gradient energy.
@@ -250,6 +252,12 @@ def optimal_token_baseline(
     columns past the second-longest length: the same for right-padded responses without
     interior observation tokens).
 
+    ``align``: which tokens of different responses share a baseline :math:`b_t`. ``"position"``:
+    the same column of the batch (verl's ``optimal_token_baseline``); ``"action"``: the same
+    action-token index, the :math:`k`-th action token of each response whatever the
+    observation tokens before it (verl's multi-turn ``tir_optimal_token_baseline``, for
+    tool-integrated responses). Both are the same for right-padded single-turn responses.
+
     Args:
       token_rewards: ``[B, L]`` per-token rewards (detached).
       mask: ``[B, L]`` action mask (NaN/inf allowed at masked positions of every input).
@@ -258,6 +266,7 @@ def optimal_token_baseline(
       sum_pi_squared: ``[B, L]`` :math:`\sum_v\pi(v)^2` of the rollout policy's distribution.
       is_weights: optional ``[B, L]`` IS weights :math:`\bar\rho\ge0`.
       zero_lone: see above.
+      align: ``"position"`` or ``"action"`` (see above).
       eps: :math:`\epsilon\ge0` in the denominator.
 
     Returns:
@@ -266,6 +275,8 @@ def optimal_token_baseline(
     from .returns import reward_to_go
 
     eps = _eps(eps)
+    if align not in OTB_ALIGN:
+        raise ValueError(f"align: must be one of {OTB_ALIGN}, got {align!r}")
     r = _checks.as_tensor("token_rewards", token_rewards)
     _checks.check_ndim("token_rewards", r, 2)
     shape = tuple(r.shape)
@@ -294,11 +305,17 @@ def optimal_token_baseline(
         W = torch.cumsum(w * mf, dim=-1) * mf
         _, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         K = int(inverse.max()) + 1 if inverse.numel() else 0
-        num = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, G * W)
-        den = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, W)
-        count = torch.zeros(K, shape[1], dtype=zero.dtype).index_add_(0, inverse, mf)
-        b = (num / (den + eps))[inverse] if eps > 0 else torch.where(den > 0, num / den.clamp_min(1e-300), zero)[inverse]
+        # the slot each token shares with the other responses of its group: its column, or its action index
+        slot = torch.arange(shape[1])[None, :].expand(shape) if align == "position" else \
+            (torch.cumsum(m.to(torch.long), -1) - 1).clamp_min(0)
+        row = inverse[:, None].expand(shape)
+
+        def per_slot(x):
+            return torch.zeros(K, shape[1], dtype=zero.dtype).index_put_((row, slot), x * mf, accumulate=True)
+
+        num, den, count = per_slot(G * W), per_slot(W), per_slot(torch.ones_like(W))
+        b = num / (den + eps) if eps > 0 else torch.where(den > 0, num / den.clamp_min(1e-300), zero)
         if zero_lone:
-            b = torch.where(count[inverse] <= 1, zero, b)
-        adv = torch.where(m, G - b, zero)
+            b = torch.where(count <= 1, zero, b)
+        adv = torch.where(m, G - b[row, slot], zero)
     return TokenAdvantages(adv, G)

@@ -99,7 +99,7 @@ RECIPES: Dict[str, Objective] = {
     "passk": Objective(
         name="passk", loss="reinforce", advantage="passk", aggregation="token_mean", std_unbiased=True, group_size=8,
         paper=("arXiv 2503.19595: the score-function gradient of max@G with a leave-one-out baseline (verl's "
-               "grpo_passk advantages, Bessel std); A ≥ 0, so PPO's dual clip would never act"),
+               "grpo_passk advantages, Bessel std)"),
     ),
     "vespo": Objective(
         name="vespo", loss="vespo", advantage="group_std", aggregation="token_mean", group_size=8,

@@ -69,6 +69,7 @@ class PeerCase:
     # set where trajgrad has no counterpart: the case is expected to differ, and this line says why
     no_counterpart: str = ""
     tol: float = 1e-9                   # the value tolerance (raised, with a note, for a peer computing in float32)
+    observations: bool = False          # token baselines: responses with observation tokens inside (multi-turn)
 
 
 @dataclass

@@ -188,12 +188,16 @@ def _remax(r, gids, lengths):
     return remax_advantages(r, _greedy_reward(r, gids))
 
 
-def _otb(rewards, mask, gids, lp, s2):
-    from ..group_baselines import optimal_token_baseline
+def _otb(align: str):
+    def ours(rewards, mask, gids, lp, s2):
+        from ..group_baselines import optimal_token_baseline
 
-    return optimal_token_baseline(rewards, mask, gids, lp, s2).advantages
+        return optimal_token_baseline(rewards, mask, gids, lp, s2, align=align).advantages
+    return ours
 
 
+OTB_NOTE = ("needs the rollout policy's Σ_v π(v)² per token, which the trainer does not record: no registry "
+            "estimator; compared against the core function")
 TOKEN_WEIGHTED = ("verl whitens over tokens (masked_whiten): each response weighs by its token count and Bessel's "
                   "correction counts tokens, 1/(N_tokens − 1); the recipe's estimator weighs every response once "
                   "with 1/(N_responses − 1) (the paper's form), so they differ even at equal lengths")
@@ -234,9 +238,13 @@ VERL += [
              notes=("the greedy response's reward is an input (a stand-in per prompt here); no registry estimator: "
                     "the trainer does not generate the greedy response",)),
     PeerCase("verl", "compute_optimal_token_baseline_advantage  [handle_zero_tail=True]", V.optimal_token_baseline,
-             "reinforce", {}, kind="token_baseline", ours=_otb, ours_name="group_baselines.optimal_token_baseline",
-             notes=("needs the rollout policy's Σ_v π(v)² per token, which the trainer does not record: no registry "
-                    "estimator; compared against the core function",)),
+             "reinforce", {}, kind="token_baseline", ours=_otb("position"),
+             ours_name="group_baselines.optimal_token_baseline", notes=(OTB_NOTE,)),
+    PeerCase("verl", "compute_multi_turn_optimal_token_baseline_advantage  [tir_optimal_token_baseline]",
+             partial(V.optimal_token_baseline, "tir_optimal_token_baseline"), "reinforce", {}, kind="token_baseline",
+             ours=_otb("action"), ours_name="group_baselines.optimal_token_baseline(align='action')",
+             observations=True, notes=(OTB_NOTE, "responses with a tool observation inside: tokens share a baseline "
+                                                 "by action-token index")),
     PeerCase("verl", "compute_policy_loss_dro(dro_beta=0.1)",
              partial(V.policy_loss, "dro", loss_agg_mode="token-mean", policy_loss_fields={"dro_beta": 0.1}),
              "dro", {}),
@@ -298,8 +306,6 @@ UNCOVERED = {
     "verl": [
         ("compute_policy_loss_bypass_mode(loss_type='reinforce')  [rollout_is='sequence', verl's default]",
          "compared: differs — " + DIFFERS["verl"][0].no_counterpart),
-        ("compute_multi_turn_optimal_token_baseline_advantage  [tir_optimal_token_baseline]",
-         "not compared: the multi-turn form (tool-integrated reasoning) of the optimal token baseline"),
         ("kl_penalty('abs') (and 'abs+')", "no trajgrad counterpart: |log π_θ − log π_ref| is not one of kl_kind's "
          "estimators ('kl' and 'mse' are verl's aliases of 'k1' and 'k2', compared above)"),
         ("compute_gdpo_outcome_advantage with several reward components (gdpo_reward_keys)",

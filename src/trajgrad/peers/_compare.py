@@ -263,8 +263,9 @@ def pairwise(fn, recipe, *, seed: int) -> VerifyReport:
 
 def token_baseline(fn, recipe, case, *, seed: int) -> VerifyReport:
     """Per-token baselines without a critic (``case.ours`` with the same arguments): random groups of
-    right-padded responses (G = 2, 4, one group of one), outcome rewards at the last token plus a few
-    intermediate ones, the rollout policy's sampled-token log-probs and Σ_v π(v)² of random softmaxes."""
+    right-padded responses (G = 2, 4, one group of one; with ``case.observations`` a 2-token observation
+    inside each response longer than 5), outcome rewards at the last token plus a few intermediate ones,
+    the rollout policy's sampled-token log-probs and Σ_v π(v)² of random softmaxes."""
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for G, N, L in ((2, 3, 10), (4, 4, 16)):
@@ -272,6 +273,8 @@ def token_baseline(fn, recipe, case, *, seed: int) -> VerifyReport:
         gids = torch.cat([torch.arange(N).repeat_interleave(G), torch.tensor([N])])
         lengths = torch.randint(1, L + 1, (B,), generator=gen)
         mask = torch.arange(L)[None, :] < lengths[:, None]
+        if case.observations:  # a tool observation of 2 tokens inside every response longer than 5
+            mask[:, 2:4] &= ~(lengths[:, None] > 5)
         rewards = torch.zeros(B, L, dtype=F64)
         rewards[torch.arange(B), lengths - 1] = torch.randn(B, generator=gen, dtype=F64)
         rewards = torch.where(mask & (torch.rand(B, L, generator=gen) > 0.8),

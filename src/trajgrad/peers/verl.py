@@ -162,13 +162,16 @@ def cov_loss(loss_mode: str, **policy_loss_fields) -> Callable:
     return loss_fn
 
 
-def optimal_token_baseline() -> Callable:
+def optimal_token_baseline(name: str = "optimal_token_baseline") -> Callable:
     """``otb_fn(token_rewards, mask, group_ids, behaviour_logp, sum_pi_squared) -> [B, L]``: verl's
-    ``compute_optimal_token_baseline_advantage`` (``handle_zero_tail=True``, no IS weights)."""
-    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+    ``optimal_token_baseline`` or ``tir_optimal_token_baseline`` estimator (``handle_zero_tail=True``, no IS
+    weights)."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    fn = get_adv_estimator_fn(name)
 
     def otb_fn(token_rewards, mask, group_ids, behaviour_logp, sum_pi_squared):
-        adv, _ = compute_optimal_token_baseline_advantage(
+        adv, _ = fn(
             token_rewards, mask.to(token_rewards.dtype), np.asarray(group_ids.tolist()), behaviour_logp,
             sum_pi_squared)
         return adv
