@@ -172,6 +172,26 @@ def _opo(r, gids, lengths):
     return opo_advantages(r, lengths, group_ids=gids).advantages
 
 
+def _two_components(r):
+    """Two reward components from one: the reward itself and a binary one (a stand-in for a format reward)."""
+    import torch
+
+    return torch.stack([r, (torch.round(3 * r) % 2).abs()], dim=-1)
+
+
+GDPO_WEIGHTS = (1.0, 0.5)
+
+
+def _gdpo_components(r, gids, lengths):
+    import torch
+
+    from ..advantages import gdpo_advantages
+
+    s = gdpo_advantages(_two_components(r), group_ids=gids, weights=torch.tensor(GDPO_WEIGHTS, dtype=r.dtype),
+                        eps=1e-6, unbiased=True, batch_normalize=False).advantages
+    return _token_weighted(s, lengths)
+
+
 def _greedy_reward(r, gids):
     """A stand-in for the greedy response's reward, one per prompt: its first rollout's reward minus 0.5."""
     import torch
@@ -256,6 +276,10 @@ VERL += [
              "clip_cov", {}, kind="cov_random", convention_checks=("value",),
              notes=("value: verl multiplies the selected tokens' terms by 0, which drops their value as well as "
                     "their gradient; trajgrad keeps the value and detaches the gradient (equal gradients)",)),
+    PeerCase("verl", "compute_gdpo_outcome_advantage(gdpo_reward_keys=[2 components], gdpo_reward_weights=[1, 0.5])",
+             partial(V.gdpo_advantage, _two_components, GDPO_WEIGHTS), "gdpo", {"std_eps": 1e-6}, kind="advantage",
+             ours=_gdpo_components, ours_name="gdpo_advantages(weights=, batch_normalize=False) whitened over tokens",
+             tol=1e-5, notes=(TOKEN_WEIGHTED, "verl reads the component scores as float32 (tolerance 1e-5)")),
     PeerCase("verl", "compute_policy_loss_gpg", partial(V.policy_loss, "gpg", loss_agg_mode="token-mean"),
              "reinforce", {"aggregation": "token_mean"},
              notes=("GPG's loss is −A · log π with no ratio: REINFORCE aggregated by token mean",)),
@@ -308,7 +332,5 @@ UNCOVERED = {
          "compared: differs — " + DIFFERS["verl"][0].no_counterpart),
         ("kl_penalty('abs') (and 'abs+')", "no trajgrad counterpart: |log π_θ − log π_ref| is not one of kl_kind's "
          "estimators ('kl' and 'mse' are verl's aliases of 'k1' and 'k2', compared above)"),
-        ("compute_gdpo_outcome_advantage with several reward components (gdpo_reward_keys)",
-         "compared with one component only; trajgrad.advantages.gdpo_advantages takes [M, K] components"),
     ],
 }

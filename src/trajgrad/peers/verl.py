@@ -102,6 +102,35 @@ def outcome_advantage(name: str, *, config: Optional[dict] = None, **kwargs) -> 
     return adv_fn
 
 
+def gdpo_advantage(components: Callable, weights=None) -> Callable:
+    """verl's ``compute_gdpo_outcome_advantage`` with several reward components: ``adv_fn(rewards, group_ids,
+    lengths)`` where ``components(rewards) -> [M, K]`` gives the components, passed the way verl's trainer
+    passes them (``algorithm.gdpo_reward_keys``, per-sample scores in ``non_tensor_batch``, placed at the last
+    valid response token found from ``batch["attention_mask"]``)."""
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.core_algos import compute_gdpo_outcome_advantage
+
+    def adv_fn(rewards, group_ids, lengths=None):
+        M = rewards.shape[0]
+        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
+        L = int(lengths.max())
+        comps = components(rewards)
+        keys = [f"reward_{k}" for k in range(comps.shape[1])]
+        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
+        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
+        token_rewards[torch.arange(M), lengths - 1] = comps.sum(-1)
+        cfg = AlgoConfig(adv_estimator="gdpo", gdpo_reward_keys=keys,
+                         gdpo_reward_weights=None if weights is None else list(weights))
+        batch = {"prompts": torch.zeros(M, 1, dtype=torch.long),
+                 "attention_mask": torch.cat([torch.ones(M, 1, dtype=torch.long), mask.long()], dim=1)}
+        non_tensor = {k: comps[:, i].numpy() for i, k in enumerate(keys)}
+        adv, _ = compute_gdpo_outcome_advantage(token_rewards, mask, np.asarray(group_ids.tolist()), config=cfg,
+                                                non_tensor_batch=non_tensor, batch=batch)
+        return adv[:, 0]
+
+    return adv_fn
+
+
 def remax_advantage(baseline: Callable) -> Callable:
     """verl's ``compute_remax_outcome_advantage``: ``adv_fn(rewards, group_ids, lengths)`` with the greedy
     responses' rewards ``baseline(rewards, group_ids)`` (verl's ``reward_baselines``)."""
