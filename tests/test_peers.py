@@ -41,6 +41,8 @@ def test_a_wrong_mapping_is_reported_as_differs():
     unseeded_count = PeerCase("verl", "clip_cov, Dr. GRPO's clip range", partial(V.cov_loss, "clip_cov"), "clip_cov",
                               {"eps_low": 0.1}, kind="cov_random")
     assert run_case(unseeded_count).status == "differs"
+    wrong_clip = PeerCase("verl", "value loss, clip 0.5 vs ppo's 0.2", V.value_loss, "ppo", kind="critic")
+    assert run_case(wrong_clip).status == "differs"
     if HAVE["trl"]:
         from trajgrad.peers import trl as T
 

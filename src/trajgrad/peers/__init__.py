@@ -56,7 +56,7 @@ class PeerCase:
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
     kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov_topk" | "cov_random" | "pairwise"
-                                    # | "token_baseline"
+                                    # | "token_baseline" | "critic"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
@@ -108,6 +108,8 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
             report = _compare.cov_topk(fn, recipe, case, seed=seed)
         elif case.kind == "cov_random":
             report = _compare.cov_random(fn, recipe, case, seed=seed)
+        elif case.kind == "critic":
+            report = _compare.critic(fn, recipe, case, seed=seed)
         elif case.kind == "token_baseline":
             report = _compare.token_baseline(fn, recipe, case, seed=seed)
         elif case.kind == "pairwise":

@@ -280,6 +280,8 @@ VERL += [
              partial(V.gdpo_advantage, _two_components, GDPO_WEIGHTS), "gdpo", {"std_eps": 1e-6}, kind="advantage",
              ours=_gdpo_components, ours_name="gdpo_advantages(weights=, batch_normalize=False) whitened over tokens",
              tol=1e-5, notes=(TOKEN_WEIGHTED, "verl reads the component scores as float32 (tolerance 1e-5)")),
+    PeerCase("verl", "compute_value_loss(cliprange_value=0.5)  [recipe verl-ppo's critic]", V.value_loss,
+             "verl-ppo", {}, kind="critic"),
     PeerCase("verl", "compute_policy_loss_gpg", partial(V.policy_loss, "gpg", loss_agg_mode="token-mean"),
              "reinforce", {"aggregation": "token_mean"},
              notes=("GPG's loss is −A · log π with no ratio: REINFORCE aggregated by token mean",)),

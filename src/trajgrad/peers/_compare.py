@@ -287,3 +287,20 @@ def token_baseline(fn, recipe, case, *, seed: int) -> VerifyReport:
         want = case.ours(rewards, mask, gids, lp, s2)
         worst = max(worst, _maxdev(got[mask], want[mask]))
     return VerifyReport(recipe.name, [Check("value", worst <= 1e-9, worst, "advantages at every action token")])
+
+
+def critic(fn, recipe, case, *, seed: int) -> VerifyReport:
+    """The critic's loss: value and gradient w.r.t. the predicted values, ragged masks, predictions on both
+    sides of the clip range around the old values."""
+    gen = torch.Generator().manual_seed(seed)
+    worst_v = worst_g = 0.0
+    for B, L in ((4, 12), (6, 30)):
+        mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B,), generator=gen)[:, None]
+        old = torch.randn(B, L, generator=gen, dtype=F64)
+        values = old + torch.randn(B, L, generator=gen, dtype=F64)
+        targets = torch.randn(B, L, generator=gen, dtype=F64)
+        v1, g1 = _value_grad(lambda v: fn(v, targets, mask, old), values)
+        v2, g2 = _value_grad(lambda v: recipe.value_loss(v, targets, mask, old_values=old).loss, values)
+        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+    return VerifyReport(recipe.name, [Check("value", worst_v <= 1e-12, worst_v, "critic loss"),
+                                      Check("gradient", worst_g <= 1e-12, worst_g, "d loss / d values")])

@@ -206,3 +206,15 @@ def optimal_token_baseline(name: str = "optimal_token_baseline") -> Callable:
         return adv
 
     return otb_fn
+
+
+def value_loss(cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean") -> Callable:
+    """``vf_fn(values, targets, mask, old_values)``: verl's ``compute_value_loss`` (the critic's clipped loss)."""
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    def vf_fn(values, targets, mask, old_values):
+        loss, _ = compute_value_loss(values, targets, old_values, mask.to(values.dtype), cliprange_value,
+                                     loss_agg_mode=loss_agg_mode)
+        return loss
+
+    return vf_fn
