@@ -14,7 +14,13 @@ code unchanged), and the trajgrad recipe plus the options that reproduce it. Run
 
 Checks outside the objective (NaN/inf at masked positions, the distributed normalization,
 4,096-token responses) are reported per function with one line naming each documented
-difference. The peers are optional: ``pip install "trajgrad[peers]"`` (see the README for an
+difference. Advantages are compared at equal and at ragged response lengths; Clip-Cov, whose
+tokens are drawn at random, is compared seeded (torch's global RNG seeded before verl's call,
+verl's draw reproduced from the same seed; see :func:`trajgrad.peers._compare.cov_random`).
+Where the recipe's registry entry cannot take a peer's input (response lengths, a greedy
+baseline reward, Σπ²), the case names the trajgrad core function it is compared with
+(``PeerCase.ours``). Peer functions without a trajgrad counterpart are listed, with the reason,
+in ``_cases.UNCOVERED`` (and those that can be run, in ``_cases.DIFFERS``, are tested to differ). The peers are optional: ``pip install "trajgrad[peers]"`` (see the README for an
 environment where verl's pins do not clash with trajgrad's).
 """
 from __future__ import annotations
