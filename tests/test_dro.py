@@ -1,5 +1,7 @@
 """DRO's policy term: value and gradient against the hand-written form; masked NaN; bad input."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from trajgrad.aggregate import aggregate
@@ -80,3 +82,13 @@ def test_the_recipe_calls_it():
     o = get_recipe("dro", beta=0.7)
     got = o.policy_loss(logp, adv, mask, old_logp=old).loss
     assert torch.equal(got, dro_loss(logp, old, adv, mask, beta=0.7).loss)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(1e-3, 10.0))
+def test_gradient_is_beta_z_minus_a_over_n(seed, beta):
+    logp, old, adv, mask = _batch(seed)
+    lp = logp.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(dro_loss(lp, old, adv, mask, beta=beta).loss, lp)
+    want = torch.where(mask, (beta * (logp - old) - adv) / mask.sum(), 0.0)
+    assert torch.allclose(g, want, atol=1e-12, rtol=1e-10)

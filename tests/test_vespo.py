@@ -2,6 +2,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from trajgrad.aggregate import aggregate
@@ -94,3 +96,18 @@ def test_the_recipe_calls_it():
     logp, old, adv, mask = _batch(4)
     got = get_recipe("vespo").policy_loss(logp, adv, mask, old_logp=old).loss
     assert torch.equal(got, vespo_loss(logp, old, adv, mask).loss)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.0, 4.0), st.floats(0.1, 4.0))
+def test_weight_peaks_at_k_over_lambda_and_is_one_on_policy(seed, k, lam):
+    """One token per row, A > 0: φ(w) ≤ φ(k/λ) for every w, and φ(1) = 1."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(6, 1, generator=g, dtype=F64)
+    lp = torch.zeros(6, 1, dtype=F64)
+    adv = torch.ones(6, dtype=F64)
+    m = torch.ones(6, 1, dtype=torch.bool)
+    phi = lambda old: float(vespo_loss(lp, old, adv, m, k_pos=k, lambda_pos=lam).metrics["vespo/weight_mean"])  # noqa: E731
+    peak = phi(-torch.full((6, 1), math.log(max(k / lam, 1e-8)), dtype=F64))
+    assert phi(-z) <= peak * (1 + 1e-9) + 1e-300
+    assert math.isclose(phi(torch.zeros(6, 1, dtype=F64)), 1.0, rel_tol=1e-12)
