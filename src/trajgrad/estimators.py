@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import advantages, baselines, returns
+from . import advantages, baselines, group_baselines, returns
 from .registry import AdvantageEstimator, register_advantage_estimator
 
 
@@ -141,4 +141,26 @@ register_advantage_estimator(AdvantageEstimator(
                     f"G = {o.group_size}, {_std_text(o)}\n"
                     f"S_i = Σ_k A^k_i;  A_i = (S_i − mean_batch(S)) / (std_batch(S) + {o.std_eps:g})   (GDPO: components\n"
                     "    normalized apart, so different reward combinations keep different advantages)"),
+))
+
+
+# ---------------------------------------------------------------------- Pass@k (arXiv 2503.19595), GPG (Chu et al. 2025)
+def _passk(o, rewards, group_ids=None):
+    return group_baselines.passk_advantages(rewards, group_ids=group_ids, unbiased=o.std_unbiased, eps=o.std_eps)
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="passk", level="sequence", call=_passk, fields=("std_eps", "std_unbiased"), min_group=2,
+    text=lambda o: (f"A_i = (R_(1) − R_(2)) / (std_G(R) + {o.std_eps:g}) for the best response of each group, 0 for "
+                    f"the others,  G = {o.group_size}, {_std_text(o)}\n"
+                    "    R_(1), R_(2): the two largest rewards of the group; the margin over the best *other* response\n"
+                    "    credits only the group's best answer (max@G / pass@G; verl's grpo_passk)"),
+))
+
+register_advantage_estimator(AdvantageEstimator(
+    name="gpg", level="sequence", fields=(), min_group=2,
+    call=lambda o, rewards, group_ids=None: group_baselines.gpg_advantages(rewards, group_ids=group_ids),
+    text=lambda o: (f"A_i = α (R_i − mean_G(R)),  α = B / B_valid,  G = {o.group_size}\n"
+                    "    B responses in the batch, B_valid of them in groups whose rewards are not all equal: the\n"
+                    "    gradient is rescaled to the mean over the responses that carry a signal (GPG; no std scaling)"),
 ))

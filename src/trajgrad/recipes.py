@@ -92,6 +92,24 @@ RECIPES: Dict[str, Objective] = {
         cov_kl_coef=1.0, group_size=8,
         paper="Cui et al. 2025 (The Entropy Mechanism of RL for Reasoning LMs, KL-Cov; ratio 2e-3 for 7B)",
     ),
+    "gpg": Objective(
+        name="gpg", loss="reinforce", advantage="gpg", aggregation="token_mean", group_size=8,
+        paper="Chu et al. 2025 (GPG, arXiv 2504.02546): −A · log π, A = α (R − mean), no ratio, clip or KL",
+    ),
+    "passk": Objective(
+        name="passk", loss="reinforce", advantage="passk", aggregation="token_mean", std_unbiased=True, group_size=8,
+        paper=("arXiv 2503.19595: the score-function gradient of max@G with a leave-one-out baseline (verl's "
+               "grpo_passk advantages, Bessel std)"),
+    ),
+    "vespo": Objective(
+        name="vespo", loss="vespo", advantage="group_std", aggregation="token_mean", group_size=8,
+        paper="VESPO (arXiv 2602.10693): Gamma-shaped weight of the sequence IS ratio, (k, λ) = (2, 3) / (3, 2)",
+    ),
+    "dro": Objective(
+        name="dro", loss="dro", advantage="group_center", aggregation="token_mean", beta=0.1, group_size=8,
+        paper=("Richemond et al. 2024 (DRO, arXiv 2405.19107), on-policy policy term as verl's dro; "
+               "β = 0.1 is not published by verl (dro_beta has no default)"),
+    ),
     # ------------------------------------------------------------------ peers' defaults, reproduced
     "verl-grpo": Objective(
         name="verl-grpo", loss="ppo", advantage="group_std", aggregation="token_mean", eps_low=0.2,

@@ -160,6 +160,31 @@ register_policy_term(PolicyTerm(
 ))
 
 
+# ---------------------------------------------------------------------- VESPO (arXiv 2602.10693)
+def _vespo_text(o) -> str:
+    return ("log w_i = clamp(Σ_t clamp(log π_θ(y_it) − log π_old(y_it), ±20), log 1e-8, 20)   (full sequence ratio)\n"
+            "φ(w) = e^λ w^k e^(−λw)   (φ(1) = 1),  (k, λ) = (2, 3) if A_it ≥ 0, (3, 2) if A_it < 0   (the paper's)\n"
+            "x_it = − sg[φ(w_i)] · A_it · log π_θ(y_it)   (a smooth weight on the sequence ratio, no clipping)")
+
+
+register_policy_term(PolicyTerm(
+    name="vespo", fn=losses.vespo_loss, fields=(), ratio="old", detached=("old log-probs", "the weight φ(w_i)"),
+    aggregation="token_mean", text=_vespo_text,
+    call=lambda o, x: losses.vespo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, **x.agg),
+))
+
+
+# ---------------------------------------------------------------------- DRO's policy term (Richemond et al. 2024)
+register_policy_term(PolicyTerm(
+    name="dro", fn=losses.dro_loss, fields=("beta",), ratio="old", detached=("old log-probs",),
+    aggregation="token_mean",
+    text=lambda o: ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
+                    f"x_it = − A_it · log π_θ(y_it) + ({o.beta:g}/2) · z_it²   (quadratic log-ratio penalty, DRO)\n"
+                    f"    gradient ({o.beta:g} z_it − A_it) ∇log π_θ: REINFORCE at z = 0, pulled back to π_old beyond"),
+    call=lambda o, x: losses.dro_loss(x.logp, x.ratio_logp, x.advantages, x.mask, beta=o.beta, **x.agg),
+))
+
+
 # ---------------------------------------------------------------------- CISPO (MiniMax-M1)
 def _cispo_text(o) -> str:
     lo = "0" if o.weight_eps_low >= 1 else f"{1 - o.weight_eps_low:g}"

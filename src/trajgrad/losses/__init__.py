@@ -26,6 +26,10 @@ explicit ``aggregation=`` (and optional global ``denominator=``), and returns
   TV / KL trust region on the sampled token's probability; default ``token_mean``.
 * ``clip_cov_loss`` / ``kl_cov_loss`` (Cui et al. 2025): covariance-selected tokens detached /
   KL-penalized; default ``token_mean``.
+* ``dro_loss`` (DRO's policy term, verl's ``dro``): :math:`-A\ell+\frac\beta2z^2`; default
+  ``token_mean``.
+* ``vespo_loss`` (VESPO): :math:`-\mathrm{sg}[\varphi(w_i)]A\ell`, a Gamma-shaped weight of the
+  sequence ratio; default ``token_mean``.
 * ``dpo_loss`` (§10): :math:`-\log\sigma(\hat r_w-\hat r_l)`, mean over pairs.
 * ``value_loss`` (§20.3): :math:`\frac12(V-R)^2`, optionally clipped; default
   ``token_mean``.
@@ -46,6 +50,7 @@ from .distill import (
 from .cispo import cispo_loss
 from .cov import clip_cov_loss, kl_cov_loss
 from .dpo import dpo_loss, sequence_logp
+from .dro import dro_loss
 from .dppo import dppo_kl_loss, dppo_tv_loss
 from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
@@ -57,6 +62,7 @@ from .sao import sao_dis_loss
 from .sapo import sapo_loss
 from .teacher_router import TeacherRouter
 from .value import value_loss
+from .vespo import vespo_loss
 
 __all__ = [
     "LossResult",
@@ -71,6 +77,8 @@ __all__ = [
     "dppo_tv_loss",
     "dppo_kl_loss",
     "clip_cov_loss",
+    "dro_loss",
+    "vespo_loss",
     "kl_cov_loss",
     "dpo_loss",
     "sequence_logp",

@@ -14,7 +14,13 @@ code unchanged), and the trajgrad recipe plus the options that reproduce it. Run
 
 Checks outside the objective (NaN/inf at masked positions, the distributed normalization,
 4,096-token responses) are reported per function with one line naming each documented
-difference. The peers are optional: ``pip install "trajgrad[peers]"`` (see the README for an
+difference. Advantages are compared at equal and at ragged response lengths; Clip-Cov, whose
+tokens are drawn at random, is compared seeded (torch's global RNG seeded before verl's call,
+verl's draw reproduced from the same seed; see :func:`trajgrad.peers._compare.cov_random`).
+Where the recipe's registry entry cannot take a peer's input (response lengths, a greedy
+baseline reward, Σπ²), the case names the trajgrad core function it is compared with
+(``PeerCase.ours``). Peer functions without a trajgrad counterpart are listed, with the reason,
+in ``_cases.UNCOVERED`` (and those that can be run, in ``_cases.DIFFERS``, are tested to differ). The peers are optional: ``pip install "trajgrad[peers]"`` (see the README for an
 environment where verl's pins do not clash with trajgrad's).
 """
 from __future__ import annotations
@@ -22,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns")
+OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns",
+                    "selection_rule", "selection_count", "gradient_unselected", "selection_law")
+# checks whose deviation is a count or a frequency, not a loss or gradient difference (left out of "largest deviation")
+COUNT_CHECKS = ("selection_rule", "selection_count", "selection_law")
 # a failing non-objective check -> the documented difference it stands for
 CONVENTION_NOTES = {
     "masked_nan": "NaN/inf at masked positions reach the loss (masking by multiplication, 0 · inf = NaN)",
@@ -32,7 +41,14 @@ CONVENTION_NOTES = {
     "micro_batches": "a global denominator passed in does not make micro-batches sum to the full batch",
     "long_sequence": "non-finite or different on 4,096-token responses whose log-ratio sums exceed exp's range",
     "zero_variance": "a zero-variance group does not get advantage 0",
+    "ragged_lengths": "depends on the response lengths (it normalizes over tokens: each response weighs by its "
+                      "token count in the batch statistics; trajgrad's estimator weighs every response once)",
     "single_member": "a group of one gets a non-zero advantage",
+    "same_tokens": "the same seed selects different tokens: verl permutes the candidates with torch.randperm on "
+                   "torch's global RNG, trajgrad draws uniform keys from its own generator; both are uniform subsets "
+                   "of the same size (selection_law)",
+    "selection_count": "verl selects max(1, ⌊rN⌋) tokens, trajgrad a mass of exactly rN (the last token "
+                       "fractionally): they differ when rN is not an integer",
     "padding": "the loss depends on padding: it averages over every row (all-padding rows included) or divides "
                "by the padded length",
 }
@@ -45,12 +61,21 @@ class PeerCase:
     make: Callable[[], Callable]
     recipe: str
     options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl"
+    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov_topk" | "cov_random" | "pairwise"
+                                    # | "token_baseline" | "critic"
     include_kl: bool = False
     denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
     notes: Tuple[str, ...] = ()
     # checks that the convention itself makes fail (e.g. ``padding`` for a loss averaged over every row)
     convention_checks: Tuple[str, ...] = ()
+    # trajgrad's side when the recipe's registry entry cannot take the peer's input (response lengths,
+    # a baseline reward): ``ours(...)`` with the adapter's arguments, named by ``ours_name`` in the result
+    ours: Optional[Callable] = None
+    ours_name: str = ""
+    # set where trajgrad has no counterpart: the case is expected to differ, and this line says why
+    no_counterpart: str = ""
+    tol: float = 1e-9                   # the value tolerance (raised, with a note, for a peer computing in float32)
+    observations: bool = False          # token baselines: responses with observation tokens inside (multi-turn)
 
 
 @dataclass
@@ -84,7 +109,17 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
         if case.kind == "policy":
             report = _compare.policy(fn, recipe, case, seed=seed)
         elif case.kind == "advantage":
-            report = _compare.advantage(fn, recipe, seed=seed)
+            report = _compare.advantage(fn, recipe, case, seed=seed)
+        elif case.kind == "cov_topk":
+            report = _compare.cov_topk(fn, recipe, case, seed=seed)
+        elif case.kind == "cov_random":
+            report = _compare.cov_random(fn, recipe, case, seed=seed)
+        elif case.kind == "critic":
+            report = _compare.critic(fn, recipe, case, seed=seed)
+        elif case.kind == "token_baseline":
+            report = _compare.token_baseline(fn, recipe, case, seed=seed)
+        elif case.kind == "pairwise":
+            report = _compare.pairwise(fn, recipe, seed=seed)
         elif case.kind == "token_advantage":
             report = _compare.gae(fn, recipe, seed=seed)
         else:
@@ -94,17 +129,24 @@ def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
     failed = [c.name for c in report.checks if c.passed is False]
     conv = set(case.convention_checks) | ({"padding"} if case.denominator == "rows" else set())
     objective = [n for n in failed if n in OBJECTIVE_CHECKS and n not in conv]
-    worst = max([c.max_deviation for c in report.checks if c.name in OBJECTIVE_CHECKS and c.name not in conv] or [0.0])
+    worst = max([c.max_deviation for c in report.checks
+                 if c.name in OBJECTIVE_CHECKS and c.name not in conv and c.name not in COUNT_CHECKS] or [0.0])
     if objective:
         status = "differs"
-    elif case.options or case.denominator:
+    elif case.options or case.denominator or case.ours_name:
         parts = [f"{k}={v!r}" for k, v in case.options.items()]
         if case.denominator == "rows":
             parts.append("denominator=number of rows")
+        if case.ours_name:
+            parts.append(case.ours_name)
         status = "agrees with option " + ", ".join(parts)
     else:
         status = "agrees"
-    conventions = [f"{n}: {CONVENTION_NOTES.get(n, n)}" for n in failed if n not in objective]
+    explained = {note.split(":", 1)[0] for note in case.notes}
+    conventions = [f"{n}: {CONVENTION_NOTES.get(n, 'fails (see the checks)')}" for n in failed
+                   if n not in objective and (n in CONVENTION_NOTES or n not in explained)]
+    if case.no_counterpart:
+        conventions.insert(0, "no trajgrad counterpart: " + case.no_counterpart)
     return CaseResult(case, status, worst, objective, conventions + list(case.notes), report.table())
 
 

@@ -33,7 +33,17 @@ def markdown(peer: str, version: str, results: Sequence[CaseResult]) -> str:
         lines.append(f"| `{r.case.function}` | `{r.case.recipe}` | {r.worst:.1e} | {res} | {conv} |")
     agree = sum(r.status.startswith("agrees") for r in results)
     lines += ["", f"{agree} of {len(results)} functions agree, outright or with the option named."]
+    uncovered = _uncovered(peer)
+    if uncovered:
+        lines += ["", "## Not in the table", "", "| peer function or setting | why |", "| --- | --- |"]
+        lines += [f"| `{name}` | {why} |" for name, why in uncovered]
     return "\n".join(lines) + "\n"
+
+
+def _uncovered(peer: str):
+    from ._cases import UNCOVERED
+
+    return UNCOVERED.get(peer, [])
 
 
 def html_page(peer: str, version: str, results: Sequence[CaseResult]) -> str:
@@ -51,7 +61,10 @@ def html_page(peer: str, version: str, results: Sequence[CaseResult]) -> str:
             "padding:4px 8px;vertical-align:top}tr.ok td:nth-child(4){color:#070}tr.bad td:nth-child(4){color:#b00}"
             "</style>" f"<h1>Conformance: {esc(peer)} {esc(version)} against trajgrad</h1><table><tr><th>peer function"
             "</th><th>trajgrad recipe</th><th>largest deviation</th><th>result</th><th>documented differences</th></tr>"
-            + "".join(rows) + "</table>")
+            + "".join(rows) + "</table>"
+            + ("<h2>Not in the table</h2><table><tr><th>peer function or setting</th><th>why</th></tr>"
+               + "".join(f"<tr><td><code>{esc(n)}</code></td><td>{esc(w)}</td></tr>" for n, w in _uncovered(peer))
+               + "</table>" if _uncovered(peer) else ""))
 
 
 def write(peer: str, version: str, results: Sequence[CaseResult], out_dir: Path) -> List[Path]:
