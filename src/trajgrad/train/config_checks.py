@@ -4,7 +4,7 @@ Everything here runs before any model is built, and every error names its dotted
 
 * :func:`check_config` (every config): the recipe and its overrides (known fields, strict
   types, finite numbers, clip bounds inside their domain), the tiny models' shapes, the
-  checkpoints ``model.path`` / ``teacher.path`` name (a directory or a hub id in the local
+  checkpoints ``model.path`` / ``teacher.path`` / ``reference.path`` / ``critic.path`` name (a directory or a hub id in the local
   cache, holding config, weights and tokenizer; nothing loaded or downloaded), the
   task's options (validated by the task source itself, with strict types taken from its
   options dataclass), the environment latency spec, and whether the task can provide
@@ -185,6 +185,10 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
                 errors.add("teacher.name", f"{tc.name!r} builds a tiny teacher; it needs model.name 'tiny', not "
                            f"{policy}; give teacher.path for a teacher of this tokenizer")
             _check_tiny("teacher.tiny", tc.tiny, errors)
+    if cfg.reference.path is not None:
+        _check_path("reference.path", cfg.reference.path, errors)
+    if cfg.critic.path is not None and obj is not None and obj.critic:
+        _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
 
@@ -431,6 +435,8 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),
         ("critic.", not obj.critic, f"has no effect: recipe {obj.name!r} trains no critic", ()),
+        ("reference.", not obj.uses_reference, f"has no effect: recipe {obj.name!r} has no reference policy "
+         "(kl_placement 'none' and not DPO)", ()),
         ("model.tiny.", cfg.model.name != "tiny" or cfg.model.path is not None,
          "has no effect unless model.name is 'tiny' (and model.path is not set)", ()),
         ("model.name", cfg.model.path is not None, "has no effect when model.path is set (the model comes from it)", ()),

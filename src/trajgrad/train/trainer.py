@@ -79,7 +79,8 @@ class Trainer:
             else self.tokenizer.eos_token_id
         # pi_ref is the policy when RL starts (after the SFT warm start): snapshotted by
         # snapshot_reference at that moment; a resumed run loads it from the checkpoint
-        if resume and self.objective.uses_reference:
+        # (a reference.path model is already there: build_learner loaded it)
+        if resume and self.objective.uses_reference and self.learner.reference is None:
             self.learner.reference = ReferenceWeights(self.model)
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
@@ -151,7 +152,8 @@ class Trainer:
             raise ValueError(f"run_dir: {self.run_dir} has no checkpoint to resume from")
         sft = json.loads((latest_checkpoint(self.run_dir) / "extra.json").read_text()).get("sft")
         if sft is not None:  # killed during the SFT warm start: pi_ref is not taken yet
-            self.learner.reference = None
+            if isinstance(self.learner.reference, ReferenceWeights):  # (a reference.path model stays)
+                self.learner.reference = None
             self._sft_opt = self._sft_optimizer(self.model, self.cfg.sft.lr)
         state = load_checkpoint(self.run_dir, modules=self._modules(), optimizers=self._optimizers())
         ex = state.extra
