@@ -19,6 +19,7 @@ Both raise ``ValueError("dotted.key: message; other.key: message")`` on one line
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 from typing import Any, Dict, Iterable, List, Optional
@@ -382,8 +383,23 @@ def _check_log_dist(cfg, errors: _Errors) -> None:
     if cfg.dist.fsdp and cfg.model.lora is not None:
         errors.add("dist.fsdp", "shards full fine-tuning; set model.lora: null (LoRA adapters stay replicated)")
     elif cfg.dist.fsdp:
-        errors.add("dist.fsdp", "the trainer does not run under FSDP yet (sampling, evaluation and checkpoints are "
-                   "not sharding-aware); trajgrad.train.fsdp shards a model and its update step for your own loop")
+        try:
+            uses_reference = cfg.objective().uses_reference
+        except ValueError:  # a bad recipe is reported by _check_recipe
+            uses_reference = False
+        if uses_reference and cfg.reference.path is None:
+            errors.add("dist.fsdp", "pi_ref as a snapshot of the sharded policy is not supported; give reference.path "
+                       "(a separate frozen model) or use kl_placement 'none'")
+        if cfg.asynchronous.enabled or cfg.rollout.backend != "hf":
+            errors.add("dist.fsdp", "runs the synchronous in-process trainer only (asynchronous.enabled false, "
+                       "rollout.backend 'hf')")
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # under torchrun: every rank needs rows
+        if cfg.sft.steps > 0 and cfg.sft.batch_size < world:
+            errors.add("sft.batch_size", f"under dist.fsdp every one of the {world} ranks needs a demonstration "
+                       f"per step (a sharded forward runs on all of them), got {cfg.sft.batch_size}")
+        if cfg.train.prompts_per_step < world:
+            errors.add("train.prompts_per_step", f"under dist.fsdp every one of the {world} ranks needs a prompt "
+                       f"per step, got {cfg.train.prompts_per_step}")
 
 
 def check_config(cfg) -> None:
