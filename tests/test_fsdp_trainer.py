@@ -23,7 +23,7 @@ import torch
 from trajgrad.rollout import collate, read_trajectories
 from trajgrad.train.metrics import read_metrics
 
-pytestmark = [pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SETTINGS = {
     "dist.fsdp": "true", "train.steps": 2, "train.prompts_per_step": 2, "train.group_size": 2,

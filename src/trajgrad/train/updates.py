@@ -112,8 +112,8 @@ class TokenWeightedMetrics:
 
 def logprobs(st: LearnerState, batch: RolloutBatch, *, model=None, want_hidden=False, want_entropy=False):
     """Learner log-probs of the action tokens under the sampling distribution's transforms."""
-    return learner_logprobs(st.model if model is None else model, batch.input_ids, batch.attention_mask, batch.action_mask,
-                            temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
+    return learner_logprobs(st.model if model is None else model, batch.input_ids, batch.attention_mask,
+                            batch.action_mask, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
                             want_hidden=want_hidden, want_entropy=want_entropy)
 
 
