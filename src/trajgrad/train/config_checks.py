@@ -6,8 +6,9 @@ Everything here runs before any model is built, and every error names its dotted
   types, finite numbers, clip bounds inside their domain), the tiny models' shapes, the
   checkpoints ``model.path`` / ``teacher.path`` / ``reference.path`` / ``critic.path`` name (a
   directory or a hub id in the local cache, holding config, weights and tokenizer; nothing
-  loaded or downloaded), the task's options (validated by the task source itself, with strict types taken from its
-  options dataclass), the environment latency spec, and whether the task can provide
+  loaded or downloaded), the task's options (validated by the task source itself, with
+  strict types taken from its options dataclass), the environment latency spec, and whether
+  the task can provide
   ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks.
 * :func:`check_effective` (configs given by a user: YAML file and ``--set``): a key the
   user set to a non-default value that has no effect in the chosen mode is refused
