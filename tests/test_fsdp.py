@@ -342,10 +342,14 @@ def test_single_process_is_unchanged_and_lora_refused():
 def test_config_key_dist_fsdp():
     from trajgrad.train.config import load_config
 
-    # the trainer's sampling, evaluation and checkpoints are not sharding-aware yet: refused at load
-    with pytest.raises(ValueError, match=r"^dist\.fsdp: the trainer does not run under FSDP yet"):
-        load_config(preset="tiny", overrides={"dist.fsdp": True})  # tiny: full fine-tuning
+    assert load_config(preset="tiny", overrides={"dist.fsdp": True}).dist.fsdp  # tiny: full fine-tuning
     assert load_config(preset="tiny").dist.fsdp is False
+    # pi_ref as a snapshot of the sharded policy: refused (a reference.path model is replicated)
+    kl = {"dist.fsdp": True, "recipe.overrides.kl_placement": "loss", "recipe.overrides.kl_coef": 0.1}
+    with pytest.raises(ValueError, match=r"^dist\.fsdp: pi_ref as a snapshot of the sharded policy"):
+        load_config(preset="tiny", overrides=kl)
+    with pytest.raises(ValueError, match=r"^dist\.fsdp: runs the synchronous in-process trainer only"):
+        load_config(preset="tiny", overrides={"dist.fsdp": True, "asynchronous.enabled": True})
     with pytest.raises(ValueError, match=r"^dist\.fsdp: shards full fine-tuning; set model\.lora: null"):
         load_config(preset="default", overrides={"dist.fsdp": True})  # LoRA
     with pytest.raises(ValueError, match=r"^dist\.fsdp"):

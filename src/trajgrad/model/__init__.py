@@ -14,7 +14,8 @@ A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neit
   (:class:`KVBuffers`, :func:`fast_backbone`); :mod:`~trajgrad.model.kv`: the KV-cache
   argument names and per-row keys/values (:class:`RowKV`).
 * :mod:`~trajgrad.model.learner`: :func:`learner_logprobs`, :func:`head_inputs`,
-  :func:`causal_parts` (:mod:`~trajgrad.model.parts`); :mod:`~trajgrad.model.value_head`: :class:`ValueHead`.
+  :func:`causal_parts` (:mod:`~trajgrad.model.parts`); :mod:`~trajgrad.model.value_head`: :class:`ValueHead`,
+  :class:`CriticModel`.
 * :mod:`~trajgrad.model.positions`: :func:`position_ids_from_attention_mask`,
   :func:`prefix_groups`.
 
@@ -35,7 +36,7 @@ _LAZY = {
     "RowKV": "kv", "cache_kwarg": "kv", "output_cache": "kv",
     "LearnerOutput": "learner", "head_inputs": "learner", "learner_logprobs": "learner",
     "causal_lm": "parts", "causal_parts": "parts",
-    "ValueHead": "value_head",
+    "CriticModel": "value_head", "ValueHead": "value_head",
     "PrefixGroups": "positions", "position_ids_from_attention_mask": "positions", "prefix_groups": "positions",
 }
 

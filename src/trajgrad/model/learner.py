@@ -46,6 +46,16 @@ def _stochastic(model: nn.Module) -> bool:
     return bool(getattr(cfg, "attention_dropout", 0.0) or 0.0)
 
 
+def _sharded(backbone: nn.Module) -> bool:
+    """True when FSDP2 shards a layer of ``backbone``: each forward then all-gathers, so every
+    rank must run the same number of forwards (the shared-prefix path runs two, or one)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed support
+        return False
+    return any(isinstance(m, FSDPModule) for m in backbone.modules())
+
+
 def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                 share_prefix: bool = True, min_prefix: int = 16):
     r"""(hidden ``[B, T-1, H]`` float32, head weight ``[V, H]`` float32, bias or None).
@@ -60,7 +70,8 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     tokens (causal attention: a prefix position never sees what follows), and the gradient
     is exact: it reaches the prefix computation through both its hidden states and the
     keys/values every row reads (autograd sums over the rows of a group). Skipped when a
-    forward pass is random (dropout) or uses gradient checkpointing.
+    forward pass is random (dropout), uses gradient checkpointing, or runs FSDP-sharded
+    layers (every rank must then make the same forward calls, whatever its rows share).
 
     Columns after the last attended one (padding a micro-batch carries from its batch) are
     not computed; their hidden states are zeros (they are masked in every use).
@@ -78,7 +89,7 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     pos = position_ids_from_attention_mask(attention_mask)
     checkpointing = bool(getattr(backbone, "gradient_checkpointing", False))
     groups = None
-    if share_prefix and not checkpointing and not _stochastic(model):
+    if share_prefix and not checkpointing and not _stochastic(model) and not _sharded(backbone):
         groups = prefix_groups(input_ids, attention_mask, min_prefix=min_prefix)
     if groups is not None:
         from transformers import DynamicCache

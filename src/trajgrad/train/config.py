@@ -171,6 +171,9 @@ class EvalConfig(_Strict):
 
 class CriticConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
+    path: Optional[str] = Field(None, description="the critic's own backbone from a checkpoint directory or a cached "
+                                "hub id (same tokenizer as the policy; trained with the value head at critic.lr); "
+                                "None = a value head on the policy's hidden states")
     updates: Optional[int] = Field(None, ge=1, description="critic updates per actor update; None = the recipe's")
     warmup_steps: int = Field(0, ge=0)
 
@@ -187,6 +190,13 @@ class TeacherConfig(_Strict):
     path: Optional[str] = Field(None, description="the teacher from a checkpoint directory or a cached hub id "
                                 "(same tokenizer as the policy); wins over name")
     tiny: TinyModelConfig = TinyModelConfig(seed=1)
+
+
+class ReferenceConfig(_Strict):
+    """pi_ref of the KL term and of DPO (§9, §10)."""
+
+    path: Optional[str] = Field(None, description="a frozen reference model from a checkpoint directory or a cached "
+                                "hub id (same tokenizer as the policy); None = the policy as RL starts")
 
 
 class DPOConfig(_Strict):
@@ -247,6 +257,7 @@ class Config(_Strict):
     critic: CriticConfig = CriticConfig()
     constraint: ConstraintConfig = ConstraintConfig()
     teacher: TeacherConfig = TeacherConfig()
+    reference: ReferenceConfig = ReferenceConfig()
     dpo: DPOConfig = DPOConfig()
     asynchronous: AsyncConfig = AsyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

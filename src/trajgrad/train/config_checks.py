@@ -4,10 +4,11 @@ Everything here runs before any model is built, and every error names its dotted
 
 * :func:`check_config` (every config): the recipe and its overrides (known fields, strict
   types, finite numbers, clip bounds inside their domain), the tiny models' shapes, the
-  checkpoints ``model.path`` / ``teacher.path`` name (a directory or a hub id in the local
-  cache, holding config, weights and tokenizer; nothing loaded or downloaded), the
-  task's options (validated by the task source itself, with strict types taken from its
-  options dataclass), the environment latency spec, and whether the task can provide
+  checkpoints ``model.path`` / ``teacher.path`` / ``reference.path`` / ``critic.path`` name (a
+  directory or a hub id in the local cache, holding config, weights and tokenizer; nothing
+  loaded or downloaded), the task's options (validated by the task source itself, with
+  strict types taken from its options dataclass), the environment latency spec, and whether
+  the task can provide
   ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks.
 * :func:`check_effective` (configs given by a user: YAML file and ``--set``): a key the
   user set to a non-default value that has no effect in the chosen mode is refused
@@ -19,6 +20,7 @@ Both raise ``ValueError("dotted.key: message; other.key: message")`` on one line
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 from typing import Any, Dict, Iterable, List, Optional
@@ -185,6 +187,10 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
                 errors.add("teacher.name", f"{tc.name!r} builds a tiny teacher; it needs model.name 'tiny', not "
                            f"{policy}; give teacher.path for a teacher of this tokenizer")
             _check_tiny("teacher.tiny", tc.tiny, errors)
+    if cfg.reference.path is not None:
+        _check_path("reference.path", cfg.reference.path, errors)
+    if cfg.critic.path is not None and obj is not None and obj.critic:
+        _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
 
@@ -378,8 +384,23 @@ def _check_log_dist(cfg, errors: _Errors) -> None:
     if cfg.dist.fsdp and cfg.model.lora is not None:
         errors.add("dist.fsdp", "shards full fine-tuning; set model.lora: null (LoRA adapters stay replicated)")
     elif cfg.dist.fsdp:
-        errors.add("dist.fsdp", "the trainer does not run under FSDP yet (sampling, evaluation and checkpoints are "
-                   "not sharding-aware); trajgrad.train.fsdp shards a model and its update step for your own loop")
+        try:
+            uses_reference = cfg.objective().uses_reference
+        except ValueError:  # a bad recipe is reported by _check_recipe
+            uses_reference = False
+        if uses_reference and cfg.reference.path is None:
+            errors.add("dist.fsdp", "pi_ref as a snapshot of the sharded policy is not supported; give reference.path "
+                       "(a separate frozen model) or use kl_placement 'none'")
+        if cfg.asynchronous.enabled or cfg.rollout.backend != "hf":
+            errors.add("dist.fsdp", "runs the synchronous in-process trainer only (asynchronous.enabled false, "
+                       "rollout.backend 'hf')")
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # under torchrun: every rank needs rows
+        if cfg.sft.steps > 0 and cfg.sft.batch_size < world:
+            errors.add("sft.batch_size", f"under dist.fsdp every one of the {world} ranks needs a demonstration "
+                       f"per step (a sharded forward runs on all of them), got {cfg.sft.batch_size}")
+        if cfg.train.prompts_per_step < world:
+            errors.add("train.prompts_per_step", f"under dist.fsdp every one of the {world} ranks needs a prompt "
+                       f"per step, got {cfg.train.prompts_per_step}")
 
 
 def check_config(cfg) -> None:
@@ -431,6 +452,8 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),
         ("critic.", not obj.critic, f"has no effect: recipe {obj.name!r} trains no critic", ()),
+        ("reference.", not obj.uses_reference, f"has no effect: recipe {obj.name!r} has no reference policy "
+         "(kl_placement 'none' and not DPO)", ()),
         ("model.tiny.", cfg.model.name != "tiny" or cfg.model.path is not None,
          "has no effect unless model.name is 'tiny' (and model.path is not set)", ()),
         ("model.name", cfg.model.path is not None, "has no effect when model.path is set (the model comes from it)", ()),

@@ -23,7 +23,13 @@ ranks hold unequal numbers of sequences and tokens.
 
 Checkpoints: :func:`full_state_dict` gathers the full (unsharded) tensors on every rank
 (a collective: every rank calls it), so rank 0 writes an ordinary checkpoint that a single
-process loads; :func:`load_full_state_dict` puts such a state back into a sharded model.
+process loads (:func:`full_state_module`, and :func:`full_optimizer_state` for AdamW's
+moments); :func:`load_full_state_dict` puts such a state back into a sharded model.
+
+Sampling and evaluation run inside :func:`gathered` (every layer held unsharded), because
+ranks sample different numbers of tokens and only rank 0 evaluates, while a sharded layer
+all-gathers in every forward. Every learner forward outside it is one call per micro-batch
+on every rank (no shared-prefix split, :func:`trajgrad.model.learner.head_inputs`).
 
 Every rank runs the same number of micro-batches (:func:`micro_batch_plan`): FSDP's
 collectives run in every forward and backward pass.
@@ -53,6 +59,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "full_state_module",
+    "full_optimizer_state",
     "gathered",
 ]
 
@@ -250,6 +257,36 @@ def full_state_module(model: nn.Module) -> nn.Module:
     tensors = {n: (p.full_tensor() if is_sharded(p) else p).detach().to("cpu", copy=True)
                for n, p in model.named_parameters()}
     return _FullState(tensors, trainable)
+
+
+class _FullOptimizerState:
+    """What a checkpoint saves of an optimizer over sharded parameters (``state_dict()`` only)."""
+
+    def __init__(self, state: Dict):
+        self._state = state
+
+    def state_dict(self) -> Dict:
+        return self._state
+
+    def load_state_dict(self, state: Dict) -> None:  # a save-side view only
+        raise ValueError("optimizers: a gathered optimizer state is written, not loaded into (load it into "
+                         "a single-process optimizer)")
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer):
+    """What a checkpoint saves of ``optimizer``: an object whose ``state_dict()`` is the
+    optimizer's, with every sharded state tensor (AdamW's moments of a sharded parameter)
+    all-gathered into a full CPU tensor, so that it is the state a single process would
+    hold. ``optimizer`` itself when nothing in it is sharded. A collective: every rank calls
+    it, in the same order (rank 0 then saves)."""
+    sd = optimizer.state_dict()
+    if not any(is_sharded(v) for st in sd["state"].values() for v in st.values()):
+        return optimizer
+    state = {}
+    for key in sorted(sd["state"]):  # the same order on every rank (one all-gather each)
+        state[key] = {n: (v.full_tensor().detach().to("cpu", copy=True) if is_sharded(v) else v)
+                      for n, v in sd["state"][key].items()}
+    return _FullOptimizerState({"state": state, "param_groups": sd["param_groups"]})
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Build everything a run needs from its :class:`~trajgrad.train.config.Config`.
 
 Each builder reads one part of the config: the tasks (:func:`build_tasks`), the learner
-state, i.e. policy, optimizer, critic, teacher (:func:`build_learner`), the rollout
+state, i.e. policy, optimizer, pi_ref from a path, critic, teacher (:func:`build_learner`), the rollout
 sampler (:func:`build_sampler`) and the Lagrangian multiplier (:func:`build_lagrange`).
 The :class:`~trajgrad.train.trainer.Trainer` calls them in that order.
 """
@@ -17,7 +17,8 @@ from ..rollout import HFSampler
 from .config import Config
 from ..model.build import build_policy_model
 from ..model.parts import causal_parts
-from ..model.value_head import ValueHead
+from ..model.value_head import CriticModel, ValueHead
+from ..weights import ReferenceModel
 from .updates import LearnerState
 
 
@@ -31,10 +32,49 @@ def build_tasks(cfg: Config):
     return source, train, heldout
 
 
+def _dtype(cfg: Config):
+    """The policy's dtype setting, for the other models of a run (reference, critic, teacher)."""
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.model.dtype, "auto")
+
+
+def _same_vocabulary(key: str, path: str, tok, policy_tok, why: str) -> None:
+    """ValueError naming ``key`` unless the tokenizer loaded from ``path`` has the policy's vocabulary."""
+    if tok.get_vocab() != policy_tok.get_vocab():
+        raise ValueError(f"{key}: the tokenizer of {path!r} has another vocabulary than the policy's "
+                         f"({len(tok)} vs {len(policy_tok)} tokens); {why}, so both need the same tokenizer")
+
+
+def build_reference(cfg: Config, tokenizer) -> Optional[ReferenceModel]:
+    """pi_ref from ``reference.path`` (frozen, in the policy's dtype; loaded like
+    ``model.path``), or None: pi_ref is then the policy as RL starts (snapshotted later)."""
+    if cfg.reference.path is None:
+        return None
+    from ..model.build import build_model
+
+    ref, ref_tok = build_model(path=cfg.reference.path, dtype=_dtype(cfg), key="reference.path")
+    _same_vocabulary("reference.path", cfg.reference.path, ref_tok, tokenizer,
+                     "the KL term compares the log-probs of the same token ids")
+    return ReferenceModel(ref)
+
+
+def build_critic(cfg: Config, model, tokenizer) -> torch.nn.Module:
+    """The critic: a :class:`ValueHead` on the policy's hidden states, or with ``critic.path``
+    a :class:`CriticModel` (that checkpoint's backbone, in the policy's dtype, and a value head)."""
+    if cfg.critic.path is None:
+        return ValueHead(causal_parts(model)[1].weight.shape[1])
+    from ..model.build import build_model
+
+    backbone, critic_tok = build_model(path=cfg.critic.path, dtype=_dtype(cfg), key="critic.path", train=True)
+    _same_vocabulary("critic.path", cfg.critic.path, critic_tok, tokenizer,
+                     "the critic reads the policy's token ids")
+    return CriticModel(backbone)
+
+
 def build_learner(cfg: Config, objective: Objective):
-    """(:class:`LearnerState`, tokenizer): the policy and its AdamW optimizer, and, for a
-    critic recipe, the token-wise value head with its own optimizer. The teacher of
-    distillation is attached afterwards (:func:`build_teacher` needs the SFT step)."""
+    """(:class:`LearnerState`, tokenizer): the policy and its AdamW optimizer, pi_ref when
+    ``reference.path`` gives one (:func:`build_reference`), and, for a critic recipe, the
+    critic (:func:`build_critic`) with its own optimizer. The teacher of distillation is
+    attached afterwards (:func:`build_teacher` needs the SFT step)."""
     model, tokenizer = build_policy_model(cfg.model)
     if cfg.dist.fsdp:  # before the optimizer: it must hold the sharded parameters
         from .fsdp import shard_model
@@ -45,8 +85,7 @@ def build_learner(cfg: Config, objective: Objective):
                                   weight_decay=cfg.optim.weight_decay)
     value_head = critic_optimizer = None
     if objective.critic:
-        hidden = causal_parts(model)[1].weight.shape[1]
-        value_head = ValueHead(hidden)
+        value_head = build_critic(cfg, model, tokenizer)
         critic_optimizer = torch.optim.AdamW(value_head.parameters(), lr=cfg.critic.lr)
     s = cfg.sampling
     st = LearnerState(objective=objective, model=model, optimizer=optimizer,
@@ -54,7 +93,8 @@ def build_learner(cfg: Config, objective: Objective):
                       temperature=s.temperature if s.temperature > 0 else 1.0, top_k=s.top_k, top_p=s.top_p,
                       grad_clip=cfg.optim.grad_clip, epochs_per_batch=cfg.train.epochs_per_batch,
                       critic_updates=cfg.critic.updates or objective.critic_updates,
-                      value_head=value_head, critic_optimizer=critic_optimizer)
+                      value_head=value_head, critic_optimizer=critic_optimizer,
+                      reference=build_reference(cfg, tokenizer) if objective.uses_reference else None)
     return st, tokenizer
 
 
@@ -74,13 +114,11 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     from ..model.tiny import build_tiny_model
 
     tc = cfg.teacher
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.model.dtype, "auto")
+    dtype = _dtype(cfg)
     if tc.path is not None:
         teacher, teacher_tok = build_model(path=tc.path, dtype=dtype, key="teacher.path")
-        if teacher_tok.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"teacher.path: the tokenizer of {tc.path!r} has another vocabulary than the policy's "
-                             f"({len(teacher_tok)} vs {len(tokenizer)} tokens); distillation compares per-token "
-                             "distributions, so both need the same tokenizer")
+        _same_vocabulary("teacher.path", tc.path, teacher_tok, tokenizer,
+                         "distillation compares per-token distributions")
     elif tc.name == "smollm2":
         if cfg.model.name != "smollm2" or cfg.model.path is not None:
             raise ValueError("teacher.name: 'smollm2' needs model.name 'smollm2' (same tokenizer)")

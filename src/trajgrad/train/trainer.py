@@ -39,7 +39,7 @@ from ..aggregate import masked_mean
 from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
-from . import loop, tokenlog, updates
+from . import fsdp, loop, tokenlog, updates
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .demos import build_dpo_pairs, demo_batch, pairs_for_step
@@ -79,7 +79,8 @@ class Trainer:
             else self.tokenizer.eos_token_id
         # pi_ref is the policy when RL starts (after the SFT warm start): snapshotted by
         # snapshot_reference at that moment; a resumed run loads it from the checkpoint
-        if resume and self.objective.uses_reference:
+        # (a reference.path model is already there: build_learner loaded it)
+        if resume and self.objective.uses_reference and self.learner.reference is None:
             self.learner.reference = ReferenceWeights(self.model)
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
@@ -97,6 +98,9 @@ class Trainer:
         self._sft_opt: Optional[torch.optim.Optimizer] = None
         self._sft_state: Optional[Dict[str, Any]] = None
         self.sft_resume: Optional[Dict[str, Any]] = None
+        if resume and fsdp.is_fsdp_model(self.model):
+            raise ValueError("resume: a run under dist.fsdp cannot be resumed yet (its checkpoints hold full "
+                             "tensors that load in one process, not into a sharded model)")
         metrics_offset = self._restore() if resume else None
         self.metrics = MetricsLogger.for_config(self.run_dir, cfg, resume_offset=metrics_offset) \
             if self.is_main else _NullLogger()
@@ -140,8 +144,11 @@ class Trainer:
             "sft": self._sft_state,
         }
         path = None
+        # under FSDP the full tensors are gathered on every rank (collectives), then rank 0 writes
+        modules = {k: fsdp.full_state_module(m) for k, m in self._modules().items()}
+        optimizers = {k: fsdp.full_optimizer_state(o) for k, o in self._optimizers().items()}
         if self.is_main:
-            path = save_checkpoint(self.run_dir, self.step, modules=self._modules(), optimizers=self._optimizers(),
+            path = save_checkpoint(self.run_dir, self.step, modules=modules, optimizers=optimizers,
                                    extra=extra, keep=self.cfg.checkpoint.keep)
         dist_lib.barrier()
         return path
@@ -151,7 +158,8 @@ class Trainer:
             raise ValueError(f"run_dir: {self.run_dir} has no checkpoint to resume from")
         sft = json.loads((latest_checkpoint(self.run_dir) / "extra.json").read_text()).get("sft")
         if sft is not None:  # killed during the SFT warm start: pi_ref is not taken yet
-            self.learner.reference = None
+            if isinstance(self.learner.reference, ReferenceWeights):  # (a reference.path model stays)
+                self.learner.reference = None
             self._sft_opt = self._sft_optimizer(self.model, self.cfg.sft.lr)
         state = load_checkpoint(self.run_dir, modules=self._modules(), optimizers=self._optimizers())
         ex = state.extra
@@ -187,7 +195,8 @@ class Trainer:
 
     def evaluate(self, tag: str) -> EvalResult:
         """Held-out success (rank 0 evaluates; the other ranks wait and receive the result)."""
-        return evaluate(self, tag)
+        with fsdp.gathered(self.model):  # rank 0 samples alone: no sharded forward may all-gather
+            return evaluate(self, tag)
 
     def snapshot_reference(self) -> None:
         """Freeze pi_ref as the current policy (called when RL starts; a no-op once taken)."""
@@ -228,7 +237,8 @@ class Trainer:
             tasks = dist_lib.shard(self.next_tasks(need), self.rank, self.world)
             t0 = time.perf_counter()
             seed = step_seed(cfg.train.seed, self.step, attempt * 1000 + self.rank)
-            trajs = self.sampler.rollout(self.source, tasks, group_size=G, seed=seed) if tasks else []
+            with fsdp.gathered(self.model):  # ranks sample different lengths: no collective per forward
+                trajs = self.sampler.rollout(self.source, tasks, group_size=G, seed=seed) if tasks else []
             stats["time/generate"] += time.perf_counter() - t0
             stats["gen_tokens"] += sum(t.num_action_tokens for t in trajs)
             stats["dynamic/tries"] += 1
@@ -403,7 +413,8 @@ class Trainer:
             cfg = self.cfg
             tasks = self.train_tasks[: cfg.dpo.pairs]
             seed_everything(step_seed(cfg.train.seed, 0, salt=7))
-            samples = self.sampler.rollout(self.source, tasks, group_size=2, seed=step_seed(cfg.train.seed, 0, 7))
+            with fsdp.gathered(self.model):
+                samples = self.sampler.rollout(self.source, tasks, group_size=2, seed=step_seed(cfg.train.seed, 0, 7))
             self.dpo_pairs = build_dpo_pairs(self.tokenizer, self.source, tasks, samples)
         pairs = pairs_for_step(self.dpo_pairs, self.cursor, self.cfg.train.prompts_per_step)
         mine = dist_lib.shard(pairs, self.rank, self.world)

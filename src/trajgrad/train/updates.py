@@ -46,7 +46,9 @@ class LearnerState:
     """What an update step reads and changes: the networks, their optimizers, the settings.
 
     ``reference`` is None until :func:`snapshot_reference` freezes :math:`\\pi_{ref}`
-    (when RL starts); ``value_head``/``critic_optimizer`` exist for critic recipes,
+    (when RL starts), or a :class:`~trajgrad.weights.ReferenceModel` from ``reference.path``;
+    ``value_head``/``critic_optimizer`` exist for critic recipes (a
+    :class:`~trajgrad.model.value_head.CriticModel` with ``critic.path``),
     ``teacher`` for distillation.
     """
 
@@ -112,8 +114,8 @@ class TokenWeightedMetrics:
 
 def logprobs(st: LearnerState, batch: RolloutBatch, *, model=None, want_hidden=False, want_entropy=False):
     """Learner log-probs of the action tokens under the sampling distribution's transforms."""
-    return learner_logprobs(model or st.model, batch.input_ids, batch.attention_mask, batch.action_mask,
-                            temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
+    return learner_logprobs(st.model if model is None else model, batch.input_ids, batch.attention_mask,
+                            batch.action_mask, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
                             want_hidden=want_hidden, want_entropy=want_entropy)
 
 
@@ -128,9 +130,9 @@ def reference_logprobs(st: LearnerState, batch: RolloutBatch) -> torch.Tensor:
     """``[B, L]`` log-probs under :math:`\\pi_{ref}` (snapshotted now if not yet taken)."""
     snapshot_reference(st)
     outs = []
-    with st.reference.applied(st.model):
+    with st.reference.applied(st.model) as ref:  # the policy with pi_ref's weights, or a separate model
         for idx in micro_batches(len(batch), st.micro_batch_size):
-            outs.append(logprobs(st, batch.select(idx)).logp)
+            outs.append(logprobs(st, batch.select(idx), model=ref).logp)
     return torch.cat(outs, 0)
 
 
@@ -334,6 +336,8 @@ def critic_update(st: LearnerState, batch: RolloutBatch, hidden: torch.Tensor,
     term = batch.terminated
     terminated = credit.terminal_token_mask(mask, term)
     next_rows = batch.next_segment_rows()
+    if getattr(st.value_head, "reads_tokens", False):  # a critic with its own backbone (critic.path)
+        hidden = batch
     with torch.no_grad():
         values = st.value_head(hidden).double()
     boot = credit.bootstrap_values(values, mask, term, next_rows)

@@ -9,7 +9,8 @@ and a checkpoint need to agree on:
   :func:`module_state` / :func:`module_state_loader`, :func:`file_tensors`.
 * :mod:`~trajgrad.weights.files`: :func:`save_trainable`, :func:`safetensors_files`,
   :func:`named_tensors_loader`, :func:`adapter_loader`, :func:`checkpoint_module_loader`.
-* :mod:`~trajgrad.weights.reference`: :class:`ReferenceWeights` (pi_ref, §9).
+* :mod:`~trajgrad.weights.reference`: :class:`ReferenceWeights` (pi_ref, §9), :class:`ReferenceModel`
+  (a separate frozen pi_ref, ``reference.path``).
 
 Imports neither ``transformers`` nor ``peft`` until a function needs them.
 """
@@ -25,7 +26,7 @@ from .files import (
     safetensors_files,
     save_trainable,
 )
-from .reference import ReferenceWeights
+from .reference import ReferenceModel, ReferenceWeights
 from .state import (
     file_tensors,
     is_peft,
@@ -42,6 +43,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "LATEST",
     "MANIFEST",
+    "ReferenceModel",
     "ReferenceWeights",
     "adapter_loader",
     "checkpoint_module_loader",

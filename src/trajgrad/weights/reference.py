@@ -4,6 +4,9 @@ The reference policy of a KL term is the policy as it stands when RL starts, tha
 the SFT warm start when there is one. :class:`ReferenceWeights` keeps a frozen copy of the
 policy's trainable parameters at that moment (with LoRA: only the adapters; the frozen base
 weights are shared) and swaps it in while the reference log-probs are computed.
+:class:`ReferenceModel` is the other kind of pi_ref: a separate frozen model (``reference.path``,
+a checkpoint with the policy's tokenizer), used as is. Both are entered the same way,
+``with ref.applied(policy) as model:``, and ``model`` computes pi_ref.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Iterator, List
 
 import torch
 
-__all__ = ["ReferenceWeights"]
+__all__ = ["ReferenceModel", "ReferenceWeights"]
 
 
 class ReferenceWeights(torch.nn.Module):
@@ -49,7 +52,7 @@ class ReferenceWeights(torch.nn.Module):
 
     @contextlib.contextmanager
     def applied(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """Run ``model`` as pi_ref for the duration of the block."""
+        """Run ``model`` as pi_ref for the duration of the block (the block receives ``model``)."""
         targets = self._targets(model)
         saved = [p.data for p in targets]
         try:
@@ -59,3 +62,34 @@ class ReferenceWeights(torch.nn.Module):
         finally:
             for p, data in zip(targets, saved):
                 p.data = data
+
+
+class ReferenceModel(torch.nn.Module):
+    """pi_ref: a separate frozen causal LM (``reference.path``; the KL term, §9, and DPO, §10).
+
+    ``ReferenceModel(model)`` freezes ``model`` (eval mode, no parameter requires a
+    gradient) and keeps it as the reference; ``with ref.applied(policy) as m:`` yields that
+    model (the policy is left untouched), so the caller computes the reference log-probs
+    with ``m`` exactly as with :class:`ReferenceWeights`. The model must share the policy's
+    tokenizer (the KL compares log-probs of the same token ids); the builder checks it.
+
+    Nothing of it is trainable, so a checkpoint stores no weights for it: a resumed run
+    loads the same frozen model from its path again.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.model = model
+        self.train(False)
+
+    def train(self, mode: bool = True) -> "ReferenceModel":
+        """The reference stays in eval mode (no dropout) whatever its parent's mode."""
+        return super().train(False)
+
+    @contextlib.contextmanager
+    def applied(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """The frozen reference model for the duration of the block (``model``, the policy, is not used)."""
+        yield self.model
