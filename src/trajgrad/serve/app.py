@@ -36,6 +36,7 @@ def create_app(
     sessions: Optional[Sessions] = None,
     fixed_sampling: Optional[dict] = None,
     chat_max_tokens: int = 256,
+    accept_any_model: bool = False,
 ):
     """The FastAPI application serving ``model`` (see the module docstring).
 
@@ -59,6 +60,8 @@ def create_app(
         (a request asking for other values gets 400 naming the field), so the learner's
         recomputation uses the distribution that sampled. None: the request's values.
       chat_max_tokens: ``max_tokens`` of a chat call that gives none.
+      accept_any_model: answer chat calls naming any ``model`` (agents often hard-code one);
+        otherwise a model other than ``model_name`` gets 404.
     """
     from fastapi import FastAPI, Header, Request
     from fastapi.concurrency import run_in_threadpool
@@ -96,6 +99,7 @@ def create_app(
     if sessions is None:
         sessions = Sessions(tokenizer, state.eos_id)
     state.sessions = sessions
+    state.accept_any_model = bool(accept_any_model)
     app.state.trajgrad = state
 
     @app.exception_handler(RequestError)

@@ -225,7 +225,7 @@ def _sampling(state: ServerState, req, fixed: Optional[Dict[str, Any]]) -> Tuple
 def plan_chat(state: ServerState, req, *, fixed_sampling: Optional[Dict[str, Any]] = None,
               default_max_tokens: int = 256) -> ChatPlan:
     """Check every field of ``req`` (a :class:`ChatRequest`); a :class:`RequestError` names the first bad one."""
-    if req.model is not None and req.model != state.model_name:
+    if req.model is not None and req.model != state.model_name and not getattr(state, "accept_any_model", False):
         raise RequestError(f"model: the model `{req.model}` does not exist (this server serves `{state.model_name}`)",
                            param="model", status=404)
     if req.stop not in (None, "", []):
