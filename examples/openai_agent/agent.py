@@ -14,7 +14,8 @@ import sys
 
 import openai
 
-PRICES = {"apple": 3, "banana": 2, "cherry": 7, "grape": 5, "lemon": 4, "mango": 9, "orange": 6, "pear": 8}
+PRICES = {"apple": 3, "banana": 2, "grape": 5, "kiwi": 7, "lemon": 4, "lime": 1, "melon": 9, "orange": 6, "pear": 8,
+          "plum": 2}
 
 TOOLS = [
     {"type": "function", "function": {

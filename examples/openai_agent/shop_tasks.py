@@ -15,7 +15,7 @@ from typing import List
 from agent import PRICES
 from trajgrad.envs.base import Task
 
-COUNTS = (1, 2, 3, 4, 5, 6)
+COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 def _split(question: str, heldout_fraction: float = 0.25) -> str:
