@@ -150,7 +150,7 @@ def test_missing_reward_times_out_counted_not_trained(agents, tok):
         deadline = time.monotonic() + 10
         while len(agents.LATE) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sorted(agents.LATE.values()) == [410, 410] or set(agents.LATE.values()) <= {404, 410}
+        assert sorted(agents.LATE.values()) == [410, 410]  # an expired episode is never extended
         s.agent, s._fn = "proxy_agents:silent", agents.silent  # returns without a reward
         s.reward_timeout_s = 0.3
         assert s.rollout(None, _tasks(1)) == [] and s.step_stats()["proxy/timeouts"] == 1.0

@@ -363,3 +363,23 @@ def test_report_reward_helper(served, client, monkeypatch):
         report_reward(1.0)  # already finished: 409
     with pytest.raises(ValueError, match="reward"):
         report_reward(float("nan"))
+
+
+def test_sessions_are_bounded(qtok):
+    from trajgrad.serve.errors import RequestError
+    from trajgrad.serve.sessions import Sessions
+
+    reg = Sessions(qtok, end_of_turn_id(qtok), max_sessions=2)
+    reg.open("a")
+    reg.open("b")
+    reg.finish("a", 0.0)
+    reg.open("c")  # drops the ended "a"
+    assert reg.snapshot()["expired"] == 0
+    reg.open("d")  # expires the least recently active open one ("b")
+    assert reg.snapshot()["expired"] == 1
+    for sid in ("a", "b"):
+        with pytest.raises(RequestError) as err:
+            reg.get(sid)
+        assert err.value.status == 410 and err.value.param == "session"
+    with pytest.raises(ValueError, match="session_id"):
+        reg.open("c")

@@ -33,6 +33,16 @@ SYSTEM = (
     "When you know the answer, reply with the number only."
 )
 
+# one worked exchange shown before the question (small models follow an example better than a rule)
+EXAMPLE = [
+    {"role": "user", "content": "How much do 2 plums cost?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "lookup_price", "arguments": {"item": "plum"}}</tool_call>'},
+    {"role": "tool", "content": "2"},
+    {"role": "assistant", "content": '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 2}}</tool_call>'},
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "content": "4"},
+]
+
 
 def lookup_price(item: str) -> str:
     key = str(item).strip().lower().rstrip("s")
@@ -62,7 +72,7 @@ def call_tool(name: str, arguments: str) -> str:
 def run_agent(client: "openai.OpenAI", question: str, *, model: str = "gpt-4o-mini", max_turns: int = 4,
               max_tokens: int = 64) -> str:
     """Answer ``question``, calling tools as the model asks; the final reply's text."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens)
         msg = reply.choices[0].message

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -107,7 +108,8 @@ class Sessions:
       strict: refuse calls for sessions not opened with :meth:`open` (a trainer's server:
         an expired or unknown episode must not start a new one); otherwise a new id opens a
         session with ``task_id`` equal to the id.
-      max_sessions: most open sessions kept; the least recently active one is expired past it.
+      max_sessions: most sessions kept; past it an ended one is dropped first, else the least
+        recently active open one is expired (counted).
     """
 
     def __init__(self, tokenizer, eos_id: int, *, strict: bool = False, max_sessions: int = 10000):
@@ -117,6 +119,7 @@ class Sessions:
         self.max_sessions = int(max_sessions)
         self._lock = threading.Lock()
         self._sessions: Dict[str, Session] = {}
+        self._ended: "OrderedDict[str, str]" = OrderedDict()  # removed sessions -> status (bounded)
         self.counters: Dict[str, int] = {"sessions": 0, "requests": 0, "finished": 0, "diverged": 0,
                                          "template_mismatch": 0, "expired": 0, "empty": 0}
         self._finished = threading.Condition(self._lock)
@@ -127,24 +130,31 @@ class Sessions:
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id: expected a non-empty string, got {session_id!r}")
         with self._lock:
-            if session_id in self._sessions:
-                raise ValueError(f"session_id: {session_id!r} is already open")
+            if session_id in self._sessions or session_id in self._ended:
+                raise ValueError(f"session_id: {session_id!r} is already in use")
             s = Session(id=session_id, task_id=task_id or session_id, split=split, group_index=int(group_index),
                         metadata=dict(metadata or {}))
             self._sessions[session_id] = s
             self.counters["sessions"] += 1
             if len(self._sessions) > self.max_sessions:
-                idle = [x for x in self._sessions.values() if x.status == "open" and x.id != session_id]
-                if idle:
-                    oldest = min(idle, key=lambda x: x.last_active)
+                others = [x for x in self._sessions.values() if x.id != session_id]
+                oldest = min(others, key=lambda x: (x.status == "open", x.last_active))  # ended ones first
+                if oldest.status == "open":
                     oldest.status = "expired"
                     self.counters["expired"] += 1
-                    del self._sessions[oldest.id]
+                del self._sessions[oldest.id]
+                self._ended[oldest.id] = oldest.status
+                while len(self._ended) > self.max_sessions:
+                    self._ended.popitem(last=False)
             return s
 
     def get(self, session_id: str, *, create: bool = False) -> Session:
         with self._lock:
             s = self._sessions.get(session_id)
+            ended = self._ended.get(session_id)
+        if s is None and ended is not None:
+            raise RequestError(f"session: episode {session_id!r} is {ended}; start a new session", param="session",
+                               status=410)
         if s is None:
             if create and not self.strict:
                 return self.open(session_id)
@@ -307,6 +317,10 @@ class Sessions:
         """Remove a session (finished or expired) from the registry and return it."""
         with self._lock:
             s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._ended[session_id] = s.status if s.status != "open" else "closed"
+                while len(self._ended) > self.max_sessions:
+                    self._ended.popitem(last=False)
         if s is None:
             raise ValueError(f"session_id: unknown session {session_id!r}")
         return s
