@@ -383,3 +383,28 @@ def test_sessions_are_bounded(qtok):
         assert err.value.status == 410 and err.value.param == "session"
     with pytest.raises(ValueError, match="session_id"):
         reg.open("c")
+
+
+def test_streamed_tool_calls(served, client):
+    hermes = '<tool_call>{"name": "lookup", "arguments": {"key": "z"}}</tool_call>'
+    with _Scripted(served.state, [hermes]):
+        chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "q"}],
+                                                     tools=TOOLS, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "lookup"
+    assert json.loads(deltas[0].function.arguments) == {"key": "z"} and deltas[0].id.startswith("call_")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_the_choice_the_client_continues_with_is_recorded(served, client):
+    """n=2: the agent continues with the second choice; the episode holds that one, not the first."""
+    c = _session(client, "pick-second")
+    msgs = [{"role": "user", "content": "pick"}]
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, n=2, seed=5)
+    a, b = (ch.model_extra["token_ids"] for ch in r.choices)
+    assert a != b
+    msgs += [r.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "next"}]
+    r2 = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=4)
+    traj = _finish(served, "pick-second")
+    assert traj.turns[0].action_ids == b and traj.turns[1].action_ids == r2.choices[0].model_extra["token_ids"]
+    assert r2.model_extra["prompt_token_ids"][:len(traj.prompt_ids) + len(b)] == traj.prompt_ids + b
