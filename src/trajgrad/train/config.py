@@ -120,8 +120,8 @@ class ProxyConfig(_Strict):
 
     agent: Optional[str] = Field(None, description="a shell command (OPENAI_BASE_URL, TRAJGRAD_SESSION, TRAJGRAD_TASK "
                                  "in its environment) or 'package.module:function'")
-    reward_timeout_s: float = Field(300.0, gt=0, description="an episode without a reward after this long is "
-                                    "expired: counted, never trained")
+    reward_timeout_s: float = Field(300.0, gt=0, description="an episode without a reward this long after its "
+                                    "agent started is expired (its process killed): counted, never trained")
     concurrency: int = Field(8, ge=1, description="agent episodes run at once (their calls are batched)")
 
 

@@ -368,7 +368,7 @@ def check_proxy_config(cfg, add: Callable[[str, str], None]) -> None:
 def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0) -> ProxySampler:
     """The :class:`ProxySampler` of a run (``rollout.proxy.*``, ``sampling.*``)."""
     s, p = cfg.sampling, cfg.rollout.proxy
-    name = cfg.rollout.model_name or (cfg.model.path if cfg.model.path is not None else f"trajgrad-{cfg.model.name}")
+    name = cfg.model.path if cfg.model.path is not None else f"trajgrad-{cfg.model.name}"
     return ProxySampler(model, tokenizer, agent=p.agent, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                         reward_timeout_s=p.reward_timeout_s, concurrency=p.concurrency, model_name=name)
