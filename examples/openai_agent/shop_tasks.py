@@ -13,7 +13,6 @@ import re
 from typing import List
 
 from agent import PRICES
-from trajgrad.envs.base import Task
 
 COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
@@ -32,7 +31,7 @@ def questions() -> List[dict]:
     return out
 
 
-def score(answer_text: str, task: Task) -> float:
+def score(answer_text: str, task) -> float:
     """1.0 when the reply is the right number (alone, or as its last number), else 0.0."""
     numbers = re.findall(r"-?\d+(?:\.\d+)?", answer_text or "")
     return 1.0 if numbers and float(numbers[-1]) == float(task.answer) else 0.0
@@ -46,7 +45,9 @@ class ShopTasks:
     def __init__(self, heldout_fraction: float = 0.25):
         self.heldout_fraction = heldout_fraction
 
-    def tasks(self, split: str, n: int, seed: int) -> List[Task]:
+    def tasks(self, split: str, n: int, seed: int) -> list:
+        from trajgrad.envs.base import Task
+
         pool = [q for q in questions() if _split(q["q"], self.heldout_fraction) == split]
         if not pool:
             raise ValueError(f"split: no {split!r} questions")
