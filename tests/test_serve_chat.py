@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tiny_models import LLAMA3_TRIM_TEMPLATE, family_model, family_tokenizer  # noqa: E402
@@ -408,3 +410,57 @@ def test_the_choice_the_client_continues_with_is_recorded(served, client):
     traj = _finish(served, "pick-second")
     assert traj.turns[0].action_ids == b and traj.turns[1].action_ids == r2.choices[0].model_extra["token_ids"]
     assert r2.model_extra["prompt_token_ids"][:len(traj.prompt_ids) + len(b)] == traj.prompt_ids + b
+
+
+def _plan(messages, tools=None):
+    from trajgrad.serve.chat_requests import ChatPlan, normalize_messages
+
+    return ChatPlan(messages=normalize_messages(messages), tools=tools, parse_tools=tools is not None,
+                    temperature=1.0, top_k=None, top_p=None, max_tokens=8, n=1, seed=None, logprobs=False,
+                    top_logprobs=0, stream=False, include_usage=False)
+
+
+_chars = st.text(alphabet=st.sampled_from(list("abc xyz{}\":,\n<>/_0123456789")), min_size=1, max_size=24)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(replies=st.lists(_chars, min_size=1, max_size=4), users=st.lists(_chars, min_size=4, max_size=4),
+       call_first=st.booleans())
+def test_property_every_prompt_extends_the_last_prompt_and_sample(qtok, replies, users, call_first):
+    """Token in / token out: whatever the texts, each call's prompt is the previous prompt + the sampled
+    tokens + the template's observation tokens, and the episode's tokens are the last prompt + sample."""
+    from trajgrad.serve.chat import _message
+    from trajgrad.serve.sessions import Candidate, Sessions
+
+    reg = Sessions(qtok, end_of_turn_id(qtok))
+    s = reg.open("p")
+    eot = end_of_turn_id(qtok)
+    if call_first:
+        replies = ['<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'] + replies[1:]
+    msgs = [SYSTEM, {"role": "user", "content": users[0]}]
+    prev = None
+    for k, text in enumerate(replies):
+        plan = _plan(msgs, TOOLS)
+        prompt = reg.prepare(s, plan)
+        assert s.diverged is None
+        if prev is not None:
+            assert prompt == prev[0] + prev[1] + s.turns[-1].observation_ids
+        ids = encode(qtok, text) + [eot]
+        body = qtok.decode(ids[:-1], skip_special_tokens=False)
+        m = _message(plan, body)
+        reg.record(s, [Candidate(action_ids=ids, logp=[-1.0] * len(ids), cut=False, version=k, text=body,
+                                 content=m["content"], tool_calls=m["tool_calls"], sampling={"temperature": 1.0})])
+        reply = {"role": "assistant", "content": m["content"] or None}
+        if m["tool_calls"]:
+            reply["tool_calls"] = [{"id": c["id"], "type": "function",
+                                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                   for c in m["tool_calls"]]
+            nxt = {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": users[(k + 1) % 4]}
+        else:
+            nxt = {"role": "user", "content": users[(k + 1) % 4]}
+        msgs = msgs + [reply, nxt]
+        prev = (prompt, ids)
+    traj = reg.finish("p", 1.0)
+    assert traj.token_ids() == prev[0] + prev[1]
+    assert [t.policy_version for t in traj.turns] == list(range(len(replies)))
+    assert sum(traj.action_mask()) == sum(len(t.action_ids) for t in traj.turns)
