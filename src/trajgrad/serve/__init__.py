@@ -29,6 +29,22 @@ Endpoints:
   ``echo`` with ``logprobs`` scores the prompt tokens (one forward pass, under the same
   processed distribution; ``null`` marks the first token and tokens outside the top-k /
   top-p support), so ``max_tokens: 0, echo: true`` scores a fixed continuation.
+* ``POST /v1/chat/completions`` (:mod:`~trajgrad.serve.chat`): ``messages`` rendered with
+  the tokenizer's chat template, ``tools`` (OpenAI function schemas, passed to the
+  template), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_p``, ``top_k``
+  (extension), ``max_tokens`` / ``max_completion_tokens``, ``seed``, ``logprobs`` /
+  ``top_logprobs``, ``n``, ``stream`` (server-sent events, ``data: [DONE]`` last). Replies
+  in Hermes ``<tool_call>`` form or bare JSON become ``message.tool_calls``
+  (``finish_reason: "tool_calls"``). Sampled by the same batcher and transform as
+  ``/v1/completions``; ``logprobs.content`` lists every sampled token, the end of turn
+  included.
+* Sessions (:mod:`~trajgrad.serve.sessions`): the ``X-Trajgrad-Session`` header, the
+  ``/s/{session}/v1/...`` base URL or the ``user`` field groups the chat calls of one
+  episode; each call must extend the previous call's prompt + sampled tokens (token in /
+  token out), else the divergence is counted and the episode marked.
+  ``POST /v1/trajgrad/episodes/{id}/reward`` ``{"reward", "success"?, "info"?}`` ends it
+  (:func:`trajgrad.serve.client.report_reward`); ``GET /v1/trajgrad/episodes/{id}`` returns
+  its :class:`~trajgrad.rollout.trajectory.Trajectory`; ``GET /v1/trajgrad/stats`` the counts.
 * ``GET /v1/models``, ``GET /health``.
 * ``POST /reload`` ``{"path": ..., "version": N}``: load new weights into the served
   model in place, under the sampling lock; tokens sampled afterwards report version N.
@@ -55,7 +71,10 @@ process can read. It binds to 127.0.0.1 by default; expose it only on a trusted 
 
 Modules: :mod:`~trajgrad.serve.app` (the FastAPI app, ``main``), :mod:`~trajgrad.serve.requests`
 (request fields and the sampling plan), :mod:`~trajgrad.serve.completions` (choices,
-log-probs), :mod:`~trajgrad.serve.state` (model, lock, batcher, scoring),
+log-probs), :mod:`~trajgrad.serve.chat_requests` / :mod:`~trajgrad.serve.chat` (chat
+completions), :mod:`~trajgrad.serve.sessions` (episode recording), :mod:`~trajgrad.serve.client`
+(reward helper), :mod:`~trajgrad.serve.loopback` (in-process server),
+:mod:`~trajgrad.serve.state` (model, lock, batcher, scoring),
 :mod:`~trajgrad.serve.reload` (``/reload``), :mod:`~trajgrad.serve.errors`. It builds on
 :mod:`trajgrad.model`, :mod:`trajgrad.weights` and the public API of :mod:`trajgrad.rollout`,
 never on :mod:`trajgrad.train`.
@@ -63,7 +82,12 @@ never on :mod:`trajgrad.train`.
 from .app import create_app, main
 from .errors import RequestError
 from .reload import load_weights
+from .chat_requests import ChatRequest
+from .client import report_reward
+from .loopback import LoopbackServer
 from .requests import CompletionRequest, ReloadRequest
+from .sessions import Sessions
 from .state import ServerState
 
-__all__ = ["CompletionRequest", "ReloadRequest", "RequestError", "ServerState", "create_app", "load_weights", "main"]
+__all__ = ["ChatRequest", "CompletionRequest", "LoopbackServer", "ReloadRequest", "RequestError", "ServerState",
+           "Sessions", "create_app", "load_weights", "main", "report_reward"]

@@ -8,10 +8,13 @@ from typing import Optional
 
 from ..model.build import build_model
 from ..model.dtype import DTYPES
+from .chat import chat_complete, sse_chunks
+from .chat_requests import ChatRequest, RewardRequest
 from .completions import complete
 from .errors import RequestError, error_body, validation_message
 from .reload import load_weights
 from .requests import CompletionRequest, ReloadRequest
+from .sessions import Sessions
 from .state import ServerState
 
 __all__ = ["create_app", "main"]
@@ -30,6 +33,10 @@ def create_app(
     batch_window_s: float = 0.002,
     max_batch_rows: int = 1024,
     max_tokens_limit: int = 4096,
+    sessions: Optional[Sessions] = None,
+    fixed_sampling: Optional[dict] = None,
+    chat_max_tokens: int = 256,
+    accept_any_model: bool = False,
 ):
     """The FastAPI application serving ``model`` (see the module docstring).
 
@@ -47,11 +54,19 @@ def create_app(
       batch_window_s: how long the sampler waits for concurrent requests to merge.
       max_batch_rows: most rows (prompts x n) per ``sample_actions`` call and per request.
       max_tokens_limit: largest accepted ``max_tokens``.
+      sessions: the :class:`~trajgrad.serve.sessions.Sessions` that record chat episodes
+        (default: a new one that opens a session for any new id). A trainer passes its own.
+      fixed_sampling: ``{"temperature", "top_k", "top_p"}``: chat calls are sampled with these
+        (a request asking for other values gets 400 naming the field), so the learner's
+        recomputation uses the distribution that sampled. None: the request's values.
+      chat_max_tokens: ``max_tokens`` of a chat call that gives none.
+      accept_any_model: answer chat calls naming any ``model`` (agents often hard-code one);
+        otherwise a model other than ``model_name`` gets 404.
     """
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Header, Request
     from fastapi.concurrency import run_in_threadpool
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
@@ -62,6 +77,10 @@ def create_app(
     for name, v in (("max_batch_rows", max_batch_rows), ("max_tokens_limit", max_tokens_limit)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    if isinstance(chat_max_tokens, bool) or not isinstance(chat_max_tokens, int) or not 1 <= chat_max_tokens <= max_tokens_limit:
+        raise ValueError(f"chat_max_tokens: expected an integer in [1, max_tokens_limit], got {chat_max_tokens!r}")
+    if fixed_sampling is not None and set(fixed_sampling) != {"temperature", "top_k", "top_p"}:
+        raise ValueError(f"fixed_sampling: expected the keys temperature, top_k, top_p, got {sorted(fixed_sampling)}")
     model.eval()
     state = ServerState(
         model, tokenizer, model_name=model_name, policy_version=policy_version,
@@ -77,6 +96,10 @@ def create_app(
         state.stop()
 
     app = FastAPI(title="trajgrad serve", lifespan=lifespan)
+    if sessions is None:
+        sessions = Sessions(tokenizer, state.eos_id)
+    state.sessions = sessions
+    state.accept_any_model = bool(accept_any_model)
     app.state.trajgrad = state
 
     @app.exception_handler(RequestError)
@@ -114,6 +137,50 @@ def create_app(
             raise
         except ValueError as exc:  # a sampling argument the sampler refused
             raise RequestError(str(exc)) from exc
+
+    async def _chat(req, session):
+        try:
+            out = await chat_complete(state, sessions, req, session, fixed_sampling=fixed_sampling,
+                                      default_max_tokens=chat_max_tokens)
+        except RequestError:
+            raise
+        except ValueError as exc:  # a sampling argument the sampler refused
+            raise RequestError(str(exc)) from exc
+        stream, usage = out.pop("_stream")
+        if stream:
+            return StreamingResponse(sse_chunks(state.tokenizer, out, usage), media_type="text/event-stream")
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, x_trajgrad_session: Optional[str] = Header(None)):
+        return await _chat(req, x_trajgrad_session or req.user)
+
+    @app.post("/s/{session}/v1/chat/completions")
+    async def session_chat_completions(session: str, req: ChatRequest):
+        return await _chat(req, session)
+
+    @app.get("/s/{session}/v1/models")
+    async def session_models(session: str):
+        return await models()
+
+    @app.post("/v1/trajgrad/episodes/{session}/reward")
+    async def reward(session: str, req: RewardRequest):
+        value = float(req.reward)
+        if not math.isfinite(value):
+            raise RequestError(f"reward: must be finite, got {req.reward!r}", param="reward")
+        traj = sessions.finish(session, value, success=req.success, info=req.info)
+        return {"status": "finished", "episode_id": session, "turns": len(traj.turns) if traj else 0,
+                "diverged": (traj.metadata.get("diverged") if traj else None)}
+
+    @app.get("/v1/trajgrad/episodes/{session}")
+    async def episode(session: str):
+        s = sessions.get(session)
+        return {"episode_id": s.id, "status": s.status, "diverged": s.diverged, "requests": s.requests,
+                "trajectory": s.trajectory.to_dict() if s.trajectory is not None else None}
+
+    @app.get("/v1/trajgrad/stats")
+    async def stats():
+        return {"policy_version": state.policy_version, **sessions.snapshot()}
 
     @app.post("/reload")
     async def reload(req: ReloadRequest):

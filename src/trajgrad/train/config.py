@@ -115,16 +115,28 @@ class SamplingConfig(_Strict):
         return self.temperature if self.behaviour_temperature is None else self.behaviour_temperature
 
 
-class RolloutConfig(_Strict):
-    """Where rollouts come from: in-process Hugging Face sampling, or an OpenAI-compatible server."""
+class ProxyConfig(_Strict):
+    """``rollout.backend: proxy``: the agent run per episode against the served policy (trajgrad.train.proxy)."""
 
-    backend: Literal["hf", "openai"] = "hf"
+    agent: Optional[str] = Field(None, description="a shell command (OPENAI_BASE_URL, TRAJGRAD_SESSION, TRAJGRAD_TASK "
+                                 "in its environment) or 'package.module:function'")
+    reward_timeout_s: float = Field(300.0, gt=0, description="an episode without a reward this long after its "
+                                    "agent started is expired (its process killed): counted, never trained")
+    concurrency: int = Field(8, ge=1, description="agent episodes run at once (their calls are batched)")
+
+
+class RolloutConfig(_Strict):
+    """Where rollouts come from: in-process Hugging Face sampling, an OpenAI-compatible server, or an
+    external agent through the chat proxy."""
+
+    backend: Literal["hf", "openai", "proxy"] = "hf"
     base_url: Optional[str] = Field(None, description="server URL for backend 'openai', e.g. http://127.0.0.1:8000")
     server: Literal["trajgrad", "vllm", "sglang"] = "trajgrad"
     model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
     template_mismatch: Literal["error", "truncate"] = Field(
         "error", description="when the chat template re-renders the history differently from the sampled tokens: "
         "error = raise, truncate = end the episode as truncated (counted; never trained)")
+    proxy: ProxyConfig = ProxyConfig()
 
 
 class RecipeConfig(_Strict):

@@ -193,6 +193,10 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
+    if cfg.rollout.backend == "proxy":
+        from .proxy import check_proxy_config
+
+        check_proxy_config(cfg, errors.add)
 
 
 # ----------------------------------------------------------------------------- task
@@ -345,7 +349,7 @@ def _check_task(cfg, errors: _Errors) -> None:
     source = _build_source(cfg, errors, fields)
     if source is None:
         return
-    if ":" in name:
+    if ":" in name and cfg.rollout.backend != "proxy":  # the proxy's agent is the environment
         # a user's environment (tools, schemas, adapters) is built once now, not first at run time
         try:
             source.make_env()
@@ -448,7 +452,9 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
          ("asynchronous.enabled",)),
         ("rollout.", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'",
-         ("rollout.backend", "rollout.template_mismatch")),
+         ("rollout.backend", "rollout.template_mismatch", "rollout.proxy.agent", "rollout.proxy.reward_timeout_s",
+          "rollout.proxy.concurrency")),
+        ("rollout.proxy.", cfg.rollout.backend != "proxy", "has no effect unless rollout.backend is 'proxy'", ()),
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),
         ("critic.", not obj.critic, f"has no effect: recipe {obj.name!r} trains no critic", ()),

@@ -144,6 +144,10 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
     says what a template that re-renders the history differently does.
     """
     s = cfg.sampling
+    if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.train.proxy)
+        from .proxy import build_proxy_sampler
+
+        return build_proxy_sampler(cfg, model, tokenizer, policy_version)
     if cfg.rollout.backend == "openai":
         from ..rollout.openai_backend import OpenAISampler
 
