@@ -101,8 +101,9 @@ def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad, tmp
     """Per-row divergence, student/teacher entropies and d(divergence)/d(zs) for one chunk.
 
     ``zs``, ``zt``: temperature-scaled logits ``[n, V]`` (overwritten). The KLs sweep them
-    in blocks (:func:`_kl_chunk`: the two ``[n, V]`` buffers and two small ``tmp`` blocks). The JSD uses ``pbuf``/``qbuf`` (``[n, V]``
-    workspaces) too. Notation: ``ls = log pi_s``, ``lt = log pi_t``, ``e = ls - lt``.
+    in blocks (:func:`_kl_chunk`: the two ``[n, V]`` buffers and two small ``tmp`` blocks).
+    The JSD uses ``pbuf``/``qbuf`` (``[n, V]`` workspaces) too. Notation: ``ls = log pi_s``,
+    ``lt = log pi_t``, ``e = ls - lt``.
 
     Returns ``(div, ent_s, ent_t, G, row_scale)``: the gradient w.r.t. ``zs`` is
     ``G * row_scale[:, None]`` (``row_scale`` None means 1), so a per-row normalization

@@ -18,6 +18,7 @@ from .chunking import resolve_chunk_size
 
 __all__ = ["fused_token_logprobs", "fused_entropy"]
 
+
 def _probs_(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``z <- exp(z - lse)`` (the softmax, given the log-partition ``[n, 1]``), block by block in cache."""
     for v0, v1 in _chunks(z.shape[1], _SWEEP):
