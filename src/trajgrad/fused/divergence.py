@@ -58,7 +58,7 @@ def _log_mix_over_w(x: torch.Tensor, w: float) -> torch.Tensor:
 def _kl_chunk(zs, zt, tmp, kind, need_grad):
     r"""Reverse or forward KL of one chunk from the two logits, in blocked sweeps.
 
-    ``zs``, ``zt``: ``[n, V]`` student / teacher logits (both overwritten). ``tmp(i, w)``: two
+    ``zs``, ``zt``: ``[n, V]`` student / teacher logits (both overwritten). ``tmp(i, w)``: three
     ``[n, w]`` scratch blocks. After the log-partitions (:func:`_log_partition`), every
     statistic is read off a block of :data:`_SWEEP` columns while it is in cache:
     :math:`\log\pi=z-\operatorname{lse}(z)`, the teacher and student entropies
@@ -76,18 +76,22 @@ def _kl_chunk(zs, zt, tmp, kind, need_grad):
     ent_s = zs.new_zeros(n)
     ent_t = zs.new_zeros(n)
     forward = kind == "forward_kl"
+
+    def dot(a, b):  # row sums of a * b: a product in cache, then a pairwise sum (no batched matmul)
+        return torch.mul(a, b, out=tmp(2, a.shape[1])).sum(1)
+
     for v0, v1 in _chunks(V, _SWEEP):
         s, t = zs[:, v0:v1].sub_(lse_s), zt[:, v0:v1].sub_(lse_t)   # ls, lt
         pt = torch.exp(t, out=tmp(0, v1 - v0))
         ps = torch.exp(s, out=tmp(1, v1 - v0))
-        ent_t.sub_(_row_dot(pt, t))
-        ent_s.sub_(_row_dot(ps, s))
+        ent_t.sub_(dot(pt, t))
+        ent_s.sub_(dot(ps, s))
         if forward:
-            div.add_(_row_dot(pt, t.sub_(s)))           # sum pt (lt - ls)
+            div.add_(dot(pt, t.sub_(s)))                # sum pt (lt - ls)
             if need_grad:
                 torch.sub(ps, pt, out=s)                # ps - pt, over ls
         else:
-            div.add_(_row_dot(ps, torch.sub(s, t, out=t)))   # sum ps (ls - lt), ls - lt over lt
+            div.add_(dot(ps, torch.sub(s, t, out=t)))   # sum ps (ls - lt), ls - lt over lt
             if need_grad:
                 s.copy_(ps)                             # ls is read: keep ps for the second sweep
     if kind == "reverse_kl" and need_grad:              # ps ((ls - lt) - KL), over lt
@@ -101,7 +105,7 @@ def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad, tmp
     """Per-row divergence, student/teacher entropies and d(divergence)/d(zs) for one chunk.
 
     ``zs``, ``zt``: temperature-scaled logits ``[n, V]`` (overwritten). The KLs sweep them
-    in blocks (:func:`_kl_chunk`: the two ``[n, V]`` buffers and two small ``tmp`` blocks).
+    in blocks (:func:`_kl_chunk`: the two ``[n, V]`` buffers and three small ``tmp`` blocks).
     The JSD uses ``pbuf``/``qbuf`` (``[n, V]`` workspaces) too. Notation: ``ls = log pi_s``,
     ``lt = log pi_t``, ``e = ls - lt``.
 
