@@ -18,7 +18,9 @@ gather of the next valid step, and the flags only change the per-step coefficien
 one scan. Padding contents are removed by selection (:class:`trajgrad._steps.Padding`: a bitwise
 AND with the mask, or a tail fill per row for right padding) before anything reads them and
 again from the outputs, so stored NaN/±inf never leak; the only large allocation is the
-outputs' block.
+outputs' block. Finiteness of the valid inputs is checked by one reduction over the scan's
+offset, which every valid input enters; the per-input checks run only when it is not
+finite, to name the input (or find an overflow of finite inputs, which is not an error).
 """
 from __future__ import annotations
 
