@@ -306,7 +306,8 @@ def _gb(kb):
 def _write(args, rows, started, load_before, load_after) -> None:
     import torch
 
-    cmd = "python bench/bench_distill.py " + " ".join(a for a in sys.argv[1:])
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "TRAJGRAD_CHUNK_BUDGET_MIB") if k in os.environ)
+    cmd = (env + " " if env else "") + "PYTHONPATH=src python bench/bench_distill.py " + " ".join(sys.argv[1:])
     threads = rows[0]["fused"].get("threads", torch.get_num_threads()) if rows else torch.get_num_threads()
     lines = [
         "# Exact distillation and target log-probs from hidden states: fused vs naive",
@@ -330,9 +331,11 @@ def _write(args, rows, started, load_before, load_after) -> None:
         "- chunk: `auto` is the library default (`chunk_size=\"auto\"`, budget "
         f"{rows[0]['fused'].get('budget_mib', float('nan')) if rows else float('nan'):.0f} MiB of [chunk, V] "
         "temporaries, trajgrad.fused.chunking); the chunk it resolved to is in parentheses",
-        "- net memory ratio w/o head grad: both net peaks minus the [V, H] float32 head-weight gradient "
-        f"({_gb(4 * H * (rows[0]['V'] if rows else 0) / 1024):.2f} GB here), which both paths must allocate; it bounds "
-        "the plain ratio when the head is trainable",
+        "- two memory ratios: 'net memory ratio, incl. head grad' = naive net peak / fused net peak, each "
+        "including everything the process allocated (the ratio the targets refer to); 'excl. head grad' = the "
+        "same with the [V, H] float32 head-weight gradient "
+        f"({_gb(4 * H * (rows[0]['V'] if rows else 0) / 1024):.2f} GB here) subtracted from both peaks: both paths "
+        "must allocate it (it is the result), so it bounds the first ratio when the head is trainable",
         "- agree: relative difference of the loss / per-token log-probs (must be <= 1e-5), and of the "
         "hidden-state and head-weight gradients (max-abs difference over max-abs value)",
         "",
@@ -345,8 +348,8 @@ def _write(args, rows, started, load_before, load_after) -> None:
             continue
         lines += [f"## {title}", "",
                   "| V | L | chunk | naive wall s | fused wall s | wall ratio | naive CPU s | fused CPU s | CPU ratio | "
-                  "load 1m (naive / fused) | naive peak GB raw / net | fused peak GB raw / net | net memory ratio | "
-                  "net memory ratio w/o head grad | value rel diff | grad rel diff (h / W) |",
+                  "load 1m (naive / fused) | naive peak GB raw / net | fused peak GB raw / net | net memory ratio, incl. head "
+                  "grad | net memory ratio, excl. head grad | value rel diff | grad rel diff (h / W) |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
                   "| ---: | ---: |"]
         for r in sel:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from trajgrad._scan import suffix_affine_scan_
 from trajgrad.returns import gae, skip_observation_gae, token_skip_observation_gae
 
 GAMMA, LAM = 1.0, 0.95
@@ -205,6 +206,26 @@ def build_cases(batch, length, obs_fraction, gen):
 # ---------------------------------------------------------------- timing
 
 
+def scan_alone(batch, length, repeats, gen):
+    """Best wall time of the in-place scan by itself, one number and a tensor as coefficient
+    (values in {gamma*lam, 0, 1}: carry, stop, padding, as for a flagged transcript), and of one
+    FMA pass over the same shape. The copies that refill the scan's inputs are not timed."""
+    d0 = torch.randn(batch, length, generator=gen, dtype=F64)
+    u = torch.rand(batch, length, generator=gen)
+    c0 = torch.where(u < 0.3, 1.0, torch.where(u < 0.31, 0.0, GAMMA * LAM)).to(F64)
+    d, c = d0.clone(), c0.clone()
+    number, tensor, fma = [], [], []
+    for _ in range(repeats):
+        d.copy_(d0)
+        number.append(once(lambda: suffix_affine_scan_(d, GAMMA * LAM))[0])
+        d.copy_(d0)
+        c.copy_(c0)
+        tensor.append(once(lambda: suffix_affine_scan_(d, c))[0])
+        fma.append(once(lambda: torch.addcmul(d0, c0, c0))[0])
+    return min(number), min(tensor), min(fma)
+
+
+
 def once(fn):
     """(wall seconds, CPU seconds of this process, result, minor page faults) of one call."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -239,7 +260,7 @@ def main(argv=None):
     for batch, length in shapes:
         cases = build_cases(batch, length, args.obs_fraction, gen)
         loop_runs = args.loop_repeats if batch > 1 else 1
-        plain_loop_s = None
+        plain_loop_s = plain_loop_c = None
         for name, loop_fn, ours_fn, valid, (r, v) in cases:
             floor_mask = valid.clone()
             loop_t, ours_t, fma_t, where_t, loop_c, ours_c, ours_f = [], [], [], [], [], [], []
@@ -265,29 +286,39 @@ def main(argv=None):
             loop_s, ours_s, fma_s, where_s = best(loop_t), best(ours_t), best(fma_t), best(where_t)
             cpu_ratio = best(loop_c) / best(ours_c)
             if plain_loop_s is None:
-                plain_loop_s = loop_s
+                plain_loop_s, plain_loop_c = loop_s, best(loop_c)
             obs = 1.0 - float(valid.float().mean())
             faults = med(ours_f)
             rows.append((name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_loop_s, faults,
-                         err))
+                         err, plain_loop_c / best(ours_c)))
             print(f"{name:<66} B={batch:<3} L={length:<7} loop {loop_s:7.3f} s  ours {1e3 * ours_s:7.2f} ms  "
                   f"{loop_s / ours_s:6.0f}x loop (CPU time {cpu_ratio:6.0f}x)  {ours_s / fma_s:5.1f}x FMA  "
                   f"{ours_s / where_s:5.1f}x where  faults {faults:.0f}  diff {err:.1e}", flush=True)
+    scans = [(batch, length) + scan_alone(batch, length, 5 * args.repeats, gen) for batch, length in shapes]
     load_after = os.getloadavg()
 
     header = ("| case | B | L | mask-0 fraction | loop (s) | trajgrad (ms) | speed-up vs loop | same, CPU time "
-              "| vs plain loop | one FMA pass (ms) | one where pass (ms) | trajgrad / FMA pass | trajgrad / where pass "
+              "| vs plain loop | same, CPU time | one FMA pass (ms) | one where pass (ms) | trajgrad / FMA pass "
+              "| trajgrad / where pass "
               "| page faults per call | max abs diff |")
-    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     lines = [header, sep]
-    for name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_s, faults, err in rows:
+    for name, batch, length, obs, loop_s, ours_s, cpu_ratio, fma_s, where_s, plain_s, faults, err, plain_c in rows:
         lines.append(
             f"| {name} | {batch} | {length:,} | {obs:.2f} | {loop_s:.2f} | {1e3 * ours_s:.2f} | "
-            f"{loop_s / ours_s:.0f}x | {cpu_ratio:.0f}x | {plain_s / ours_s:.0f}x | {1e3 * fma_s:.3f} | "
+            f"{loop_s / ours_s:.0f}x | {cpu_ratio:.0f}x | {plain_s / ours_s:.0f}x | {plain_c:.0f}x | "
+            f"{1e3 * fma_s:.3f} | "
             f"{1e3 * where_s:.3f} | {ours_s / fma_s:.1f}x | {ours_s / where_s:.1f}x | {faults:.0f} | {err:.1e} |"
         )
     table = "\n".join(lines)
     print(table)
+    scan_lines = ["| B | L | scan, number coefficient (ms) | scan, tensor coefficient (ms) | one FMA pass (ms) | "
+                  "number scan / FMA pass | tensor scan / FMA pass |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for batch, length, number_s, tensor_s, fma_s in scans:
+        scan_lines.append(f"| {batch} | {length:,} | {1e3 * number_s:.2f} | {1e3 * tensor_s:.2f} | {1e3 * fma_s:.3f} | "
+                          f"{number_s / fma_s:.1f}x | {tensor_s / fma_s:.1f}x |")
+    scan_table = "\n".join(scan_lines)
+    print(scan_table)
 
     command = " ".join(["OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python", "bench/bench_gae.py", *sys.argv[1:]])
     if argv is not None:
@@ -328,8 +359,18 @@ def main(argv=None):
         "coefficient products are numbers too, about half the cost of a coefficient tensor) plus a fixed "
         "handful of passes: the offset, the read-off of advantages and returns, and the selection that "
         "removes padding contents (a bitwise AND with the mask, or one tail fill per row for right "
-        "padding). Flags only change the per-step coefficient of the one scan; truncation values are "
-        "selected the same way and bootstrap values read by index.",
+        "padding). Flags only change the per-step coefficient of the one scan (built from the flags read "
+        "as bytes: padding + gamma*lam * carry); truncation values are selected (`torch.where`) into the "
+        "offset and bootstrap values read by index. Finiteness of the valid inputs is checked by one "
+        "reduction over the offset (every valid input enters it; the per-input check runs only when it is "
+        "not finite, to name the input).",
+        "",
+        "The scan by itself (`trajgrad._scan.suffix_affine_scan_` on the same shapes, in place, its input "
+        "copies untimed; a tensor coefficient with values in {gamma*lam, 0, 1}, i.e. carry, stop and padding, "
+        "as the flagged cases use; best of "
+        f"{5 * args.repeats}), against one FMA pass over the same shape:",
+        "",
+        scan_table,
         "",
         "Memory: the two outputs share one `[2, B, L]` block. Where the C allocator hands each call fresh "
         "pages from the system (it depends on the process's allocation history), every call also pays "

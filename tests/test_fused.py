@@ -451,3 +451,44 @@ def test_float32_accuracy_at_large_vocabulary():
     kl64 = weighted_divergence(Head(hs, ws), [(Head(ht, wt), rows, om)])[0]
     kl32 = weighted_divergence(Head(hs.float(), ws.float()), [(Head(ht.float(), wt.float()), rows, om.float())])[0]
     assert abs(kl32.item() - kl64.item()) <= 2e-6 * kl64.item()
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kl_sweeps_over_several_vocabulary_blocks_equal_naive(kind, with_bias, monkeypatch):
+    """Vocabularies wider than one sweep block (and a partial last block): divergence, both
+    entropies and the student's gradients equal the full-logit formulas, analytic and autograd."""
+    from trajgrad.fused import _blocks
+
+    monkeypatch.setattr(_blocks, "_SWEEP", 64)           # V = 1000: 15 full blocks and one of 40
+    import trajgrad.fused.divergence as divergence
+    monkeypatch.setattr(divergence, "_SWEEP", 64)
+    g = torch.Generator().manual_seed(21)
+    N, H, V = 9, 5, 1000
+    hs, ws = leaf(torch.randn(N, H, generator=g, dtype=F64), torch.randn(V, H, generator=g, dtype=F64) / 2)
+    bs = leaf(torch.randn(V, generator=g, dtype=F64))[0] if with_bias else None
+    ht, wt = torch.randn(N, H, generator=g, dtype=F64), torch.randn(V, H, generator=g, dtype=F64) / 2
+    rows = torch.tensor([0, 1, 3, 4, 5, 8])
+    omega = torch.rand(rows.numel(), generator=g, dtype=F64)
+    loss, (div,), (ent_s,), (ent_t,) = weighted_divergence(Head(hs, ws, bs), [(Head(ht, wt), rows, omega)],
+                                                           kind=kind, temperature=0.8, chunk_size=4)
+    ls = naive_logits(hs[rows], ws, bs, 0.8).log_softmax(-1)
+    lt = naive_logits(ht[rows], wt, None, 0.8).log_softmax(-1)
+    ps, pt = ls.exp(), lt.exp()
+    ref = (ps * (ls - lt)).sum(-1) if kind == "reverse_kl" else (pt * (lt - ls)).sum(-1)
+    assert torch.allclose(div, ref.detach(), rtol=1e-12, atol=1e-13)
+    assert torch.allclose(ent_s, -(ps * ls).sum(-1).detach(), rtol=1e-12)
+    assert torch.allclose(ent_t, -(pt * lt).sum(-1), rtol=1e-12)
+    params = [p for p in (hs, ws, bs) if p is not None]
+    got = torch.autograd.grad(loss, params)
+    want = torch.autograd.grad((omega * ref).sum(), params)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    # the analytic gradient w.r.t. the student logits: pi_s - pi_t, or pi_s (ls - lt - KL)
+    zs = leaf(naive_logits(hs[rows], ws, bs, 0.8).detach())[0]
+    loss_z = weighted_divergence(Head(zs), [(Head(naive_logits(ht[rows], wt, None, 0.8)), torch.arange(len(rows)),
+                                            omega)], kind=kind, chunk_size=4)[0]
+    (gz,) = torch.autograd.grad(loss_z, [zs])
+    ps, pt, ls, lt = ps.detach(), pt.detach(), ls.detach(), lt.detach()
+    analytic = (ps - pt) if kind == "forward_kl" else ps * (ls - lt - ref.detach()[:, None])
+    assert torch.allclose(gz, omega[:, None] * analytic, rtol=1e-10, atol=1e-14)

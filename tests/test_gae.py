@@ -279,6 +279,37 @@ def test_non_finite_at_valid_steps_still_raise(bad):
         skip_observation_gae(torch.zeros(2, 5), v, torch.zeros(2, 5), torch.zeros(2, 5), 0.9, 0.9)
 
 
+@pytest.mark.parametrize("lam", [1.0, 0.95, 0.5, 0.3, 0.0])
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+@pytest.mark.parametrize("layout", ["observations", "right_padding", "none"])
+def test_one_finiteness_reduction_still_names_each_input(lam, bad, layout):
+    """The offset's single reduction stands in for one per input: every non-finite valid input,
+    at every lam (lam = 1, where values leave the offset, included) still raises naming itself,
+    and garbage where an input is not read still passes."""
+    t_ = 9
+    mask = {"observations": torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1, 1, 0, 1]], dtype=torch.bool),
+            "right_padding": torch.arange(t_)[None, :] < torch.tensor([[7], [9]]),
+            "none": None}[layout]
+    valid = torch.ones(2, t_, dtype=torch.bool) if mask is None else mask
+    trunc = torch.zeros(2, t_, dtype=torch.bool)
+    trunc[1, 5] = True
+    gen = torch.Generator().manual_seed(3)
+    r, v, tv = (torch.randn(2, t_, generator=gen, dtype=F64) for _ in range(3))
+    kw = dict(gamma=0.9, lam=lam, mask=mask, truncated=trunc)
+    tv_ok = torch.where(trunc, tv, torch.full_like(tv, bad))  # not read where not truncated
+    pad = lambda x: torch.where(valid, x, torch.full_like(x, bad))  # noqa: E731
+    expected = loop_gae(r, v, 0.9, lam, valid, None, trunc, tv, None)
+    out = gae(pad(r), pad(v), truncation_value=tv_ok, **kw)
+    torch.testing.assert_close(out.advantages, expected, rtol=0, atol=1e-10)
+    where = (1, 6)
+    for name in ["rewards", "values", "truncation_value"]:
+        x = {"rewards": r, "values": v, "truncation_value": tv}[name].clone()
+        x[where if name != "truncation_value" else (1, 5)] = bad
+        args = {"rewards": r, "values": v, "truncation_value": tv, name: x}
+        with pytest.raises(ValueError, match=name):
+            gae(args["rewards"], args["values"], truncation_value=args["truncation_value"], **kw)
+
+
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16, torch.bfloat16])
 def test_bitwise_selection_is_exact_selection(dtype):
     from trajgrad._steps import Padding
@@ -296,9 +327,11 @@ def test_bitwise_selection_is_exact_selection(dtype):
     k = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
     want = torch.where(mask, torch.where(carry, k(rate), k(0.0)), k(1.0))
     assert torch.equal(pad.coefficients_(out, carry, rate), want)
-    assert torch.equal(pad.zero_(x.clone()), expected)  # the mask it borrowed is restored
+    assert torch.equal(pad.coefficients_(out, carry, rate, scratch=torch.full_like(x, NAN)), want)
+    assert torch.equal(pad.zero_(x.clone()), expected)
     want_all = torch.where(mask, k(rate), k(1.0))
     assert torch.equal(pad.coefficients_(out, None, rate), want_all)
+    assert torch.equal(pad.coefficients_(out, None, rate, scratch=torch.empty_like(x)), want_all)
 
 
 def test_many_right_padded_rows_and_low_precision_with_garbage():

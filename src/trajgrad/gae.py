@@ -18,7 +18,9 @@ gather of the next valid step, and the flags only change the per-step coefficien
 one scan. Padding contents are removed by selection (:class:`trajgrad._steps.Padding`: a bitwise
 AND with the mask, or a tail fill per row for right padding) before anything reads them and
 again from the outputs, so stored NaN/±inf never leak; the only large allocation is the
-outputs' block.
+outputs' block. Finiteness of the valid inputs is checked by one reduction over the scan's
+offset, which every valid input enters; the per-input checks run only when it is not
+finite, to name the input (or find an overflow of finite inputs, which is not an error).
 """
 from __future__ import annotations
 
@@ -80,15 +82,12 @@ def _right_padding_ends(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     the valid steps of every row (then nothing has to pass through padding); else ``None``."""
     if mask is None or mask.numel() == 0:
         return None
-    first = mask[:, 0]
-    if not bool(first.all()) and bool(mask[~first].any()):
-        return None  # a row opens with padding and has valid steps later (a prompt, say)
-    if mask.shape[-1] > 1 and not bool((mask[:, 1:] <= mask[:, :-1]).min()):
-        return None
+    if mask.shape[-1] > 1 and _steps.any_true(~mask[:, :-1] & mask[:, 1:]):
+        return None  # a valid step follows padding (a prompt, say, or an observation span)
     return torch.count_nonzero(mask, -1) - 1
 
 
-def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
+def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot, check=None):
     r"""Advantages and returns from validated ``r``, ``v`` (anything at ``pad`` steps).
 
     The scan runs on :math:`y_t=V_t+\lambda\hat A_t` and lets padding pass the carry through
@@ -116,6 +115,11 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     them, so nothing stored there reaches a valid output. One ``[2, B, T]`` block is
     allocated for the two outputs; the coefficients live in the advantage half until the
     scan is done.
+
+    ``check`` (optional) runs when the offset, padding removed, is not finite. Every valid
+    input enters the offset with a non-zero factor (``values`` too unless ``lam = 1``), and a
+    NaN or inf among them leaves the offset non-finite, so one reduction over it replaces one
+    per input; ``check`` then finds the input and raises naming it.
     """
     length = r.shape[-1]
     rate = gamma * lam
@@ -126,21 +130,30 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot):
     # One allocation for both outputs: the allocator hands the same block back on the next
     # call instead of returning two half-sized ones to the system (a page fault per 4 KiB).
     both = torch.empty((2,) + tuple(r.shape), dtype=r.dtype, device=r.device)
-    work, y = both[0], both[1]  # coefficients then advantages; y then returns
-    if direct:
-        torch.add(r, v, alpha=(1.0 - lam) / lam, out=y)  # ((1 - lam) V + lam r) / lam
-    else:
-        torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
-    if n0 is not None:
-        y.add_(_steps.select(n0[0], n0[1], out=work), alpha=rate * scale)  # the work half as scratch
-    if pad is not None:
-        pad.zero_(y)
+    work, y = both[0], both[1]  # coefficients then advantages; scratch, then y, then returns
+    # The coefficients first, while y is free to serve as scratch.
     if carry is None:
         c: Union[float, torch.Tensor] = rate
     elif pad is not None and ends is None:
-        c = pad.coefficients_(work, None if carry is pad.mask else carry, rate)
+        c = pad.coefficients_(work, None if carry is pad.mask else carry, rate, scratch=y)
+    else:  # no padding, or padding that nothing has to cross
+        c = work.copy_(carry.view(torch.uint8) if carry.dtype == torch.bool else carry).mul_(rate)
+    if n0 is None:
+        if direct:
+            torch.add(r, v, alpha=(1.0 - lam) / lam, out=y)  # ((1 - lam) V + lam r) / lam
+        else:
+            torch.lerp(v, r, lam, out=y)  # (1 - lam) V + lam r
     else:
-        c = work.copy_(carry).mul_(rate)  # no padding, or padding that nothing has to cross
+        # truncation values, read at truncations only (a selection), then the rest of the offset
+        torch.where(n0[1], n0[0], torch.zeros((), dtype=y.dtype, device=y.device), out=y)
+        if direct:
+            torch.add(r, y, alpha=rate * scale, out=y).add_(v, alpha=(1.0 - lam) / lam)
+        else:
+            y.mul_(rate).add_(r, alpha=lam).add_(v, alpha=1.0 - lam)
+    if pad is not None:
+        pad.zero_(y)
+    if check is not None and not _steps.all_finite(y):
+        check()  # a non-finite offset: find the input, raise naming it (or an overflow: go on)
     rows = idx = None
     if boot is not None and length:
         if ends is None:
@@ -199,10 +212,8 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
     values = _steps.as_float("values", values)
     _checks.check_shape("values", values, shape, against="rewards")
     dtype = torch.promote_types(rewards.dtype, values.dtype)
-    if not _steps.all_finite(rewards):
-        _checks.check_finite("rewards", rewards, m)
-    if not _steps.all_finite(values):
-        _checks.check_finite("values", values, m)
+    if lam == 1.0 and not _steps.all_finite(values):
+        _checks.check_finite("values", values, m)  # lam = 1: values do not enter the offset
     r, v = rewards.to(dtype), values.to(dtype)
 
     term = _optional_flag("terminated", terminated, shape, m, device)
@@ -221,15 +232,13 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
 
     n0 = None  # (values, where): the next value where the carry stops at a truncation
     if truncation_value is None:
-        if trunc is not None and bool(trunc.any()):
+        if trunc is not None and _steps.any_true(trunc):
             raise ValueError("truncation_value: required when truncated has a 1 at a valid step")
     else:
         if truncated is None:
             raise ValueError("truncation_value: given without truncated (it is read only at truncated steps)")
         tv = _steps.as_float("truncation_value", truncation_value)
         _checks.check_shape("truncation_value", tv, shape, against="rewards")
-        if not _steps.all_finite(tv):
-            _checks.check_finite("truncation_value", tv, trunc)
         n0 = (tv.to(dtype=dtype, device=device), trunc)  # read at truncations only, by selection
     boot = None
     if bootstrap_value is not None:
@@ -244,9 +253,15 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             _checks.check_finite("bootstrap_value", boot, read)
             boot = _checks.fill_masked(boot, read)
 
+    def check():  # the finiteness checks, in argument order, when the offset is not finite
+        _checks.check_finite("rewards", rewards, m)
+        _checks.check_finite("values", values, m)
+        if n0 is not None:
+            _checks.check_finite("truncation_value", n0[0], trunc)
+
     with torch.no_grad():
         pad = None if m is None else _steps.Padding(m, dtype, ends)
-        adv, ret = _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot)
+        adv, ret = _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot, check)
     return GAEOutput(adv, ret)
 
 

@@ -55,13 +55,17 @@ products stay efficient.
 aggregation), so its gradient is formed in the *forward* chunk loop, while each chunk's
 logits are at hand, and the backward pass only scales it by the incoming scalar. Nothing is
 recomputed: forward + backward costs the same four matrix products as the naive path
-(student and teacher logits, hidden-state and head gradients), and three
-``[chunk_size, V]`` buffers for the reverse KL (four for the forward KL, about eight for
-the JSD, whose log-mixture terms need temporaries).
+(student and teacher logits, hidden-state and head gradients). The KLs hold two
+``[chunk_size, V]`` buffers, the two logits: after each side's log-partition they are
+swept once in blocks of 2,048 columns that stay in cache, which turn them into
+log-probabilities, read off the entropies and the divergence, and leave the gradient
+w.r.t. the student logits in one of them (the reverse KL, whose gradient needs the
+divergence itself, sweeps once more). The JSD holds about eight (its log-mixture terms need
+temporaries).
 
 **Chunk size.** Every function takes ``chunk_size="auto"`` by default: the chunk is the
 largest (multiple of 16) number of positions whose ``[chunk, V]`` temporaries fit a memory
-budget, 256 MiB unless changed with :func:`chunk_budget` / :func:`set_chunk_budget` or the
+budget, 192 MiB unless changed with :func:`chunk_budget` / :func:`set_chunk_budget` or the
 environment variable ``TRAJGRAD_CHUNK_BUDGET_MIB`` (rule and buffer counts in
 :mod:`trajgrad.fused.chunking`); an int ``chunk_size`` is used as given.
 

@@ -13,8 +13,9 @@ therefore, to a good approximation,
 with :math:`b` the bytes per element of the compute dtype (4 for float32 and for bf16/fp16
 inputs, whose statistics are formed in float32; 8 for float64) and :math:`k` the number of
 ``[chunk, V]`` buffers the kernel keeps alive (:data:`BUFFERS`: 1 for target log-probs,
-2 for entropies, 3 for the reverse KL, 4 for the forward KL, 8 for the generalized JSD,
-whose log-mixture terms need temporaries of their own).
+2 for entropies, 2 for the reverse and the forward KL (the two logits, swept in place by
+vocabulary blocks whose ``[chunk, 2048]`` scratch is left out of the count), 8 for the
+generalized JSD, whose log-mixture terms need temporaries of their own).
 
 With ``chunk_size="auto"`` (the default everywhere) the chunk is the largest multiple of
 :data:`ALIGN` positions whose temporaries fit the budget,
@@ -25,12 +26,13 @@ With ``chunk_size="auto"`` (the default everywhere) the chunk is the largest mul
    \ \text{MIN\_CHUNK},\ \text{MAX\_CHUNK}\Big),
 
 so the temporaries take at most ``budget`` bytes (``MIN_CHUNK`` positions when even that
-exceeds it). The default budget, :data:`DEFAULT_BUDGET` = 256 MiB, is the point measured in
-``bench/bench_distill.py``: at ``V = 151,936`` it gives 144 positions for the reverse KL and
-432 for target log-probs, large enough for efficient matrix products, while the
-temporaries stay far below the naive path's ``[B, L, V]`` tensors (1.2 GB *each* at
-``L = 2,048`` in float32): there the reverse KL's net peak memory is ~12x below the naive
-path's at about its CPU time (``bench/results/distill.md``).
+exceeds it). The default budget, :data:`DEFAULT_BUDGET` = 192 MiB, is the point measured in
+``bench/bench_distill.py``: at ``V = 151,936`` it gives 160 positions for both KLs and 320
+for target log-probs, large enough for efficient matrix products, while the temporaries
+stay far below the naive path's ``[B, L, V]`` tensors (1.2 GB *each* at ``L = 2,048`` in
+float32). There (``H = 576``) the KLs' net peak memory is >= 10x below the naive path's, in
+less CPU time (``bench/results/distill.md``); 256 MiB gives the KLs 208 positions, a little
+faster but the forward KL then at 9.9x.
 
 Override, from the most to the least specific:
 
@@ -55,14 +57,14 @@ __all__ = ["DEFAULT_BUDGET", "BUFFERS", "ALIGN", "MIN_CHUNK", "MAX_CHUNK", "auto
            "get_chunk_budget", "set_chunk_budget", "chunk_budget"]
 
 MiB = 2 ** 20
-DEFAULT_BUDGET = 256 * MiB
+DEFAULT_BUDGET = 192 * MiB
 ALIGN = 16
 MIN_CHUNK = 16
 MAX_CHUNK = 8192
 ENV_VAR = "TRAJGRAD_CHUNK_BUDGET_MIB"
 
 #: ``[chunk, V]`` buffers alive at once, per kernel.
-BUFFERS = {"logprob": 1, "entropy": 2, "reverse_kl": 3, "forward_kl": 4, "jsd": 8}
+BUFFERS = {"logprob": 1, "entropy": 2, "reverse_kl": 2, "forward_kl": 2, "jsd": 8}
 
 _budget: Optional[int] = None
 

@@ -10,7 +10,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _checks
-from ._blocks import _chunks, _compute_dtype, _exp_shifted, _keep_graph, _mm, _row_dot, _side_logits, _Workspace
+from ._blocks import (_SWEEP, _chunks, _compute_dtype, _exp_shifted, _keep_graph, _log_partition, _mm, _row_dot,
+                      _side_logits, _Workspace)
 from .chunking import resolve_chunk_size
 
 __all__ = ["Head", "DIVERGENCES", "weighted_divergence", "head_entropy"]
@@ -54,39 +55,76 @@ def _log_mix_over_w(x: torch.Tensor, w: float) -> torch.Tensor:
     return _log_mix(x, w).div_(w)
 
 
-def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad):
+def _kl_chunk(zs, zt, tmp, kind, need_grad):
+    r"""Reverse or forward KL of one chunk from the two logits, in blocked sweeps.
+
+    ``zs``, ``zt``: ``[n, V]`` student / teacher logits (both overwritten). ``tmp(i, w)``: three
+    ``[n, w]`` scratch blocks. After the log-partitions (:func:`_log_partition`), every
+    statistic is read off a block of :data:`_SWEEP` columns while it is in cache:
+    :math:`\log\pi=z-\operatorname{lse}(z)`, the teacher and student entropies
+    :math:`-\sum_v\pi\log\pi`, the divergence, and the gradient w.r.t. the student logits,
+    :math:`\pi_s-\pi_t` (forward KL) or :math:`\pi_s\odot(\log\pi_s-\log\pi_t-D)` (reverse
+    KL, whose :math:`D` is known after the sweep: a second, shorter one). The gradient is
+    written over ``zt`` (reverse) or ``zs`` (forward); nothing else of size ``[n, V]`` is
+    allocated.
+
+    Returns ``(div, ent_s, ent_t, grad)``.
+    """
+    n, V = zs.shape
+    lse_s, lse_t = _log_partition(zs, tmp), _log_partition(zt, tmp)
+    div = zs.new_zeros(n)
+    ent_s = zs.new_zeros(n)
+    ent_t = zs.new_zeros(n)
+    forward = kind == "forward_kl"
+
+    def dot(a, b):  # row sums of a * b: a product in cache, then a pairwise sum (no batched matmul)
+        return torch.mul(a, b, out=tmp(2, a.shape[1])).sum(1)
+
+    for v0, v1 in _chunks(V, _SWEEP):
+        s, t = zs[:, v0:v1].sub_(lse_s), zt[:, v0:v1].sub_(lse_t)   # ls, lt
+        pt = torch.exp(t, out=tmp(0, v1 - v0))
+        ps = torch.exp(s, out=tmp(1, v1 - v0))
+        ent_t.sub_(dot(pt, t))
+        ent_s.sub_(dot(ps, s))
+        if forward:
+            div.add_(dot(pt, t.sub_(s)))                # sum pt (lt - ls)
+            if need_grad:
+                torch.sub(ps, pt, out=s)                # ps - pt, over ls
+        else:
+            div.add_(dot(ps, torch.sub(s, t, out=t)))   # sum ps (ls - lt), ls - lt over lt
+            if need_grad:
+                s.copy_(ps)                             # ls is read: keep ps for the second sweep
+    if kind == "reverse_kl" and need_grad:              # ps ((ls - lt) - KL), over lt
+        for v0, v1 in _chunks(V, _SWEEP):
+            zt[:, v0:v1].sub_(div[:, None]).mul_(zs[:, v0:v1])
+        return div, ent_s, ent_t, zt
+    return div, ent_s, ent_t, (zs if need_grad else None)
+
+
+def _divergence_chunk(zs, zt, pbuf, qbuf, kind, beta, normalized, need_grad, tmp=None):
     """Per-row divergence, student/teacher entropies and d(divergence)/d(zs) for one chunk.
 
-    ``zs``, ``zt``: temperature-scaled logits ``[n, V]`` (overwritten); ``pbuf``/``qbuf``:
-    ``[n, V]`` workspaces (``qbuf`` unused by the reverse KL, which thus needs three
-    buffers). Notation: ``ls = log pi_s``, ``lt = log pi_t``, ``e = ls - lt``.
+    ``zs``, ``zt``: temperature-scaled logits ``[n, V]`` (overwritten). The KLs sweep them
+    in blocks (:func:`_kl_chunk`: the two ``[n, V]`` buffers and three small ``tmp`` blocks).
+    The JSD uses ``pbuf``/``qbuf`` (``[n, V]`` workspaces) too. Notation: ``ls = log pi_s``,
+    ``lt = log pi_t``, ``e = ls - lt``.
 
     Returns ``(div, ent_s, ent_t, G, row_scale)``: the gradient w.r.t. ``zs`` is
     ``G * row_scale[:, None]`` (``row_scale`` None means 1), so a per-row normalization
     can ride on the later ``[n, H]`` products instead of a pass over ``[n, V]``.
     """
+    if kind in ("reverse_kl", "forward_kl"):
+        div, ent_s, ent_t, grad = _kl_chunk(zs, zt, tmp, kind, need_grad)
+        return div, ent_s, ent_t, grad, None
     et, mt, st = _exp_shifted(zt, pbuf)                 # exp(zt - max)
     lse_t = mt + st.log()
     ent_t = lse_t.squeeze(1) - _row_dot(et, zt) / st.squeeze(1)
-    pt = None
-    if kind == "jsd":
-        pt = et.div_(st)
-    es, ms, ss = _exp_shifted(zs, pbuf if kind == "reverse_kl" else qbuf)
+    pt = et.div_(st)
+    es, ms, ss = _exp_shifted(zs, qbuf)
     lse_s = ms + ss.log()
     ent_s = lse_s.squeeze(1) - _row_dot(es, zs) / ss.squeeze(1)
     e = zs.sub_(zt).sub_(lse_s - lse_t)                 # ls - lt, in zs's buffer
     grad, row_scale = None, None
-    if kind == "reverse_kl":
-        inv_s = ss.squeeze(1).reciprocal()
-        div = _row_dot(es, e) * inv_s                    # sum ps (ls - lt)
-        if need_grad:                                    # ps * ((ls - lt) - KL) = es * (e - KL) / s
-            grad, row_scale = e.sub_(div[:, None]).mul_(es), inv_s
-        return div, ent_s, ent_t, grad, row_scale
-    if kind == "forward_kl":                             # pt = et / st, ps = es / ss (never formed)
-        div = -_row_dot(et, e) / st.squeeze(1)           # sum pt (lt - ls)
-        if need_grad:                                    # ps - pt = (es - et * ss / st) / ss, one pass
-            grad, row_scale = es.addcmul_(et, -(ss / st)), ss.squeeze(1).reciprocal()
-        return div, ent_s, ent_t, grad, row_scale
     ps = es.div_(ss)                                 # generalized JSD, mixture m = beta pt + (1 - beta) ps
     if normalized:
         a = _log_mix_over_w(e.neg(), beta)           # (log m - ls) / beta
@@ -129,6 +167,7 @@ class _DivergenceFn(torch.autograd.Function):
         V = s_x.shape[1] if s_w is None else s_w.shape[0]
         longest = max([int(rows.numel()) for _, rows, _ in jobs] + [1])
         work = _Workspace(min(chunk, longest) * V, cdt, dev)
+        sweep = _Workspace(min(chunk, longest) * min(_SWEEP, V), cdt, dev)   # the KLs' two small blocks
         for j, (teacher, rows, omega) in enumerate(jobs):
             n = rows.numel()
             # rows are unique within a job: the first job copies, later ones (several teachers at
@@ -143,9 +182,10 @@ class _DivergenceFn(torch.autograd.Function):
                 m = r.numel()
                 zs, xs = _side_logits(Head(s_x, s_w, s_b), r, inv_t, work.get(0, m, V))
                 zt, _ = _side_logits(teacher, r, inv_t, work.get(1, m, V))
+                jsd = kind == "jsd"
                 div, es, et, G, row_scale = _divergence_chunk(
-                    zs, zt, work.get(2, m, V), work.get(3, m, V) if kind != "reverse_kl" else None,
-                    kind, beta, normalized, need)
+                    zs, zt, work.get(2, m, V) if jsd else None, work.get(3, m, V) if jsd else None,
+                    kind, beta, normalized, need, tmp=lambda i, w, m=m: sweep.get(i, m, w))
                 div_all[a:b] = div
                 ent_s_all[a:b] = es
                 ent_t_all[a:b] = et

@@ -11,11 +11,20 @@ from typing import Optional, Union
 import torch
 
 from .. import _checks
-from ._blocks import _chunks, _compute_dtype, _exp_shifted, _flat_rows, _head_logits, _mm, _row_dot, _Workspace
+from ._blocks import (_SWEEP, _chunks, _compute_dtype, _exp_shifted, _flat_rows, _head_logits, _log_partition, _mm,
+                      _row_dot, _Workspace)
 from .checks import check_head, check_sizes
 from .chunking import resolve_chunk_size
 
 __all__ = ["fused_token_logprobs", "fused_entropy"]
+
+
+def _probs_(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``z <- exp(z - lse)`` (the softmax, given the log-partition ``[n, 1]``), block by block in cache."""
+    for v0, v1 in _chunks(z.shape[1], _SWEEP):
+        z[:, v0:v1].sub_(lse).exp_()
+    return z
+
 
 def _fold_onehot(G: torch.Tensor, y: torch.Tensor, v0: int, v1: int) -> None:
     """``G[n, y_n - v0] -= 1`` for the rows whose target lies in the block ``[v0, v1)``."""
@@ -46,6 +55,7 @@ class _PositionwiseFn(torch.autograd.Function):
         single = step >= V
         eager = bool(eager and single)
         work = _Workspace(min(chunk, max(n_rows, 1)) * step, cdt, dev)
+        sweep = _Workspace(min(chunk, max(n_rows, 1)) * min(_SWEEP, step), cdt, dev)
         out = torch.zeros(hidden.shape[0], dtype=cdt, device=dev)
         lse_all = torch.zeros(n_rows, dtype=cdt, device=dev)
         factor = torch.zeros(n_rows, hidden.shape[1], dtype=cdt, device=dev) if eager else None
@@ -58,11 +68,11 @@ class _PositionwiseFn(torch.autograd.Function):
                 z = _head_logits(h, weight, bias, inv_t, work.get(0, n, V))
                 if kind == "logprob":
                     zy = z.gather(1, y[:, None]).squeeze(1)
-                    e, m, s = _exp_shifted(z, z)                      # in place: z is not needed again
-                    lse = (m + s.log()).squeeze(1)
+                    lse1 = _log_partition(z, lambda i, w, n=n: sweep.get(i, n, w))
+                    lse = lse1.squeeze(1)
                     val = zy - lse
                     if eager:
-                        G = e.div_(s)
+                        G = _probs_(z, lse1)                          # in place: z is not needed again
                         _fold_onehot(G, y, 0, V)
                 else:
                     e, m, s = _exp_shifted(z, work.get(1, n, V))
@@ -131,7 +141,7 @@ class _PositionwiseFn(torch.autograd.Function):
             for v0, v1 in _chunks(V, step):
                 zb = _head_logits(h, weight, bias, inv_t, work.get(0, n, v1 - v0), v0, v1)
                 if kind == "logprob":
-                    G = zb.sub_(lse).exp_()                           # p, in place
+                    G = _probs_(zb, lse)                              # p, in place
                     _fold_onehot(G, y, v0, v1)                        # p - onehot(y)
                 else:
                     pb = torch.sub(zb, lse, out=work.get(1, n, v1 - v0)).exp_()
@@ -218,7 +228,7 @@ def fused_token_logprobs(
       temperature: :math:`T > 0`; the sampling temperature whose distribution is wanted.
       chunk_size: positions per chunk, or ``"auto"`` (default): the largest chunk whose
         ``[chunk, V]`` buffer fits the memory budget of :mod:`trajgrad.fused.chunking`
-        (256 MiB unless overridden: 432 positions at ``V = 151,936``). Larger amortizes
+        (192 MiB unless overridden: 320 positions at ``V = 151,936``). Larger amortizes
         the matrix products, smaller lowers the peak memory (``chunk_size * V`` floats).
       mask: optional ``[B, L]``/``[N]`` 0/1 mask; masked positions are skipped (no compute,
         output 0, zero gradient, NaN in their hidden rows never read).
