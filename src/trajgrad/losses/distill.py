@@ -32,7 +32,7 @@ where :math:`\omega_n=\partial\,\mathrm{aggregate}/\partial x_n` are the weights
 ``aggregate`` itself), which is why the gradient can be formed in the forward pass. The
 backward pass then only scales it; it can run once per forward unless
 ``retain_graph=True``. ``chunk_size="auto"`` (the default) takes the largest chunk whose
-temporaries fit a memory budget (256 MiB unless overridden;
+temporaries fit a memory budget (192 MiB unless overridden;
 :mod:`trajgrad.fused.chunking`), which at ``V = 151,936, L = 2,048`` keeps the net peak
 memory more than 10x below the naive path's (measured in ``bench/results/distill.md``).
 
@@ -149,9 +149,9 @@ def reverse_kl_distill_loss(
       aggregation, constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
         Default ``token_mean`` (§14's ``masked_mean``).
       chunk_size: positions per chunk, or ``"auto"`` (default): the largest chunk whose
-        ``3 * chunk_size * V`` float temporaries fit the memory budget of
-        :mod:`trajgrad.fused.chunking` (256 MiB unless overridden with
-        :func:`trajgrad.fused.chunk_budget` or ``TRAJGRAD_CHUNK_BUDGET_MIB``; 144 positions
+        ``2 * chunk_size * V`` float temporaries fit the memory budget of
+        :mod:`trajgrad.fused.chunking` (192 MiB unless overridden with
+        :func:`trajgrad.fused.chunk_budget` or ``TRAJGRAD_CHUNK_BUDGET_MIB``; 160 positions
         at ``V = 151,936``).
 
     Returns:

@@ -47,13 +47,17 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     model.eval()
     saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
     seed_everything(step_seed(cfg.train.seed, 0, salt=99))
-    sampler = HFSampler(model, trainer.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
-                        max_new_tokens=cfg.sampling.max_new_tokens, policy_version=trainer.policy_version)
-    sampler.template_mismatch = cfg.rollout.template_mismatch
     tasks = trainer.heldout_tasks
     if tag == "during" and cfg.eval.during_n:
         tasks = tasks[:cfg.eval.during_n]
-    trajs = sampler.rollout(trainer.source, tasks, group_size=1, seed=step_seed(cfg.train.seed, 0, 99))
+    agent_eval = getattr(trainer.sampler, "evaluate", None)
+    if agent_eval is not None:  # rollout.backend proxy: the external agent on the held-out tasks
+        trajs = agent_eval(tasks, temperature=cfg.eval.temperature, seed=step_seed(cfg.train.seed, 0, 99))
+    else:
+        sampler = HFSampler(model, trainer.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
+                            max_new_tokens=cfg.sampling.max_new_tokens, policy_version=trainer.policy_version)
+        sampler.template_mismatch = cfg.rollout.template_mismatch
+        trajs = sampler.rollout(trainer.source, tasks, group_size=1, seed=step_seed(cfg.train.seed, 0, 99))
     torch.set_rng_state(saved[0]); random.setstate(saved[1]); np.random.set_state(saved[2])
     model.train()
     succ = sum(1 for t in trajs if t.success)

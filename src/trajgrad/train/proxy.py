@@ -358,11 +358,6 @@ def check_proxy_config(cfg, add: Callable[[str, str], None]) -> None:
     if cfg.sampling.behaviour_temperature is not None:
         add("sampling.behaviour_temperature", "not supported with rollout.backend 'proxy' (the agent's calls are "
                                               "sampled at sampling.temperature)")
-    for key, on in (("eval.before", cfg.eval.before), ("eval.after", cfg.eval.after), ("eval.every", cfg.eval.every)):
-        if on:
-            add(key, "the in-process held-out evaluation drives an environment, which an external agent replaces; "
-                     "set eval.before=false, eval.after=false, eval.every=0 and measure held-out success with "
-                     "ProxySampler.evaluate (trajgrad.train.proxy)")
 
 
 def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0) -> ProxySampler:
