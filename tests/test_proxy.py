@@ -189,13 +189,14 @@ def test_trainer_trains_through_the_proxy(agents, tmp_path):
     cfg = load_config(preset="tiny", overrides={
         "rollout.backend": "proxy", "rollout.proxy.agent": "proxy_agents:two_turns", "rollout.proxy.concurrency": 4,
         "train.steps": 2, "train.prompts_per_step": 2, "train.group_size": 3, "sft.steps": 0,
-        "eval.before": False, "eval.after": False, "eval.every": 0, "checkpoint.every": 0,
+        "eval.before": False, "eval.after": True, "eval.every": 0, "checkpoint.every": 0, "task.n_heldout": 4,
         "sampling.max_new_tokens": 8, "log.progress": False, "log.tensorboard": False, "log.token_log": False,
         "model.tiny.hidden_size": 32})
     tr = Trainer(cfg, tmp_path / "run", console=lambda m: None)
     try:
         assert tr.sampler.model is tr.model  # the served weights are the trainer's
-        tr.run()
+        summary = tr.run()
+        assert summary["eval_after"]["n"] == 4  # held-out evaluation runs the same agent
         assert tr.policy_version == 2 and tr.sampler.policy_version == 2
         assert httpx.get(f"{tr.sampler.url}/v1/models").json()["data"][0]["policy_version"] == 2
         lines = [json.loads(x) for x in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
@@ -205,7 +206,9 @@ def test_trainer_trains_through_the_proxy(agents, tmp_path):
         metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in metrics if m.get("kind") == "train"]
         assert len(steps) == 2 and all(m["mismatch/max_abs_log_ratio"] < 1e-5 for m in steps)
+        assert all(m["proxy/trained"] == 6 for m in steps)  # the proxy's counts reach the metrics
         assert tr.sampler.counters["trained"] == 12
+        assert [m["eval/n"] for m in metrics if m.get("kind") == "eval_after"] == [4]
     finally:
         tr.sampler.close()
 
@@ -231,8 +234,6 @@ def test_sao_runs_single_rollouts(agents, tmp_path):
     ({"rollout.backend": "proxy"}, "rollout.proxy.agent"),
     ({"rollout.backend": "proxy", "rollout.proxy.agent": "no_such_module_xyz:fn"}, "rollout.proxy.agent"),
     ({"rollout.backend": "proxy", "rollout.proxy.agent": "json:no_such_fn"}, "rollout.proxy.agent"),
-    ({"rollout.backend": "proxy", "rollout.proxy.agent": "python a.py", "eval.before": True}, "eval.before"),
-    ({"rollout.backend": "proxy", "rollout.proxy.agent": "python a.py", "eval.every": 5}, "eval.every"),
     ({"rollout.backend": "proxy", "rollout.proxy.agent": "python a.py", "rollout.proxy.reward_timeout_s": 0},
      "rollout.proxy.reward_timeout_s"),
     ({"rollout.backend": "proxy", "rollout.proxy.agent": "python a.py", "rollout.proxy.concurrency": 0},

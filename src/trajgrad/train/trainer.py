@@ -244,6 +244,8 @@ class Trainer:
             stats["dynamic/tries"] += 1
             # episodes a chat template would have re-rendered differently (ended, never trained past it)
             stats["rollout/template_mismatch"] += sum(bool(t.metadata.get("template_mismatch")) for t in trajs)
+            for key, count in getattr(self.sampler, "step_stats", dict)().items():  # a proxy's counts
+                stats[key] = stats.get(key, 0.0) + count
             groups: Dict[str, List[Trajectory]] = {}
             for t in trajs:
                 groups.setdefault(t.task_id, []).append(t)
@@ -444,6 +446,7 @@ class Trainer:
             loop.eval_summary(self, summary, after)
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        getattr(self.sampler, "close", lambda: None)()  # a proxy's loopback server
         self.traj_log.close()
         self.metrics.close()  # the tracking sinks (wandb, mlflow, trackio) finish their runs
         dist_lib.barrier()
