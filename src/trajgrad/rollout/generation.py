@@ -366,6 +366,7 @@ class HFBackend:
         self.head_in_float32 = bool(head_in_float32)
         self.reuse_kv = bool(reuse_kv)
         self.fast_decode = bool(fast_decode)
+        self.prefix_levels = 2  # shared-prefix levels (:meth:`_shared_prefix`); 1: the common prefix only
 
     @property
     def device(self) -> torch.device:
@@ -456,7 +457,7 @@ class HFBackend:
         # level two: the continuations after P1, led by a column holding the row's level-one
         # group, so that only rows of one level-one group can share a continuation
         second = None
-        if T > P1 + 1:
+        if self.prefix_levels >= 2 and T > P1 + 1:
             lead = groups.index[:, None].to(ids.dtype)
             second = prefix_groups(torch.cat([lead, ids[:, P1:]], 1), torch.cat([torch.ones_like(lead), mask[:, P1:]], 1),
                                    min_prefix=min_tokens + 1)
