@@ -31,7 +31,6 @@ scales the embeddings and normalizes with :math:`1 + w`, Qwen2 can use sliding w
 """
 from __future__ import annotations
 
-import weakref
 from typing import List, Optional
 
 import torch
@@ -97,7 +96,6 @@ class KVBuffers:
             self.k.append(kb)
             self.v.append(vb)
         self.layers = [_LayerView(self, i) for i in range(len(self.k))]
-        self.plan = None  # decode_step's per-call constants (rotary table, fused weights)
 
     @property
     def capacity(self) -> int:
@@ -106,79 +104,6 @@ class KVBuffers:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.k = [k.index_select(0, indices) for k in self.k]
         self.v = [v.index_select(0, indices) for v in self.v]
-
-
-# fused weights of small plain projections, kept while the weights are unchanged: module ->
-# (key of the weights' identity and in-place version, fused weight, fused bias)
-_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# fusing copies the weights: only where the copy is small (the call overhead it saves matters
-# for small models; for large ones the matrix products dominate)
-_FUSE_MAX_ELEMENTS = 1 << 20
-
-
-def _plain(*mods) -> bool:
-    return all(type(m) is torch.nn.Linear for m in mods)
-
-
-def _fused(owner: torch.nn.Module, mods) -> Optional[tuple]:
-    """``(weight, bias)`` of the linear maps ``mods`` stacked along their outputs, or None."""
-    if not _plain(*mods) or sum(m.weight.numel() for m in mods) > _FUSE_MAX_ELEMENTS:
-        return None
-    if any((m.bias is None) != (mods[0].bias is None) for m in mods):
-        return None
-    tensors = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    key = tuple((id(t), t.data_ptr(), t._version) for t in tensors)
-    hit = _FUSED.get(owner)
-    if hit is not None and hit[0] == key:
-        return hit[1], hit[2]
-    w = torch.cat([m.weight.detach() for m in mods], 0)
-    b = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods], 0)
-    _FUSED[owner] = (key, w, b)
-    return w, b
-
-
-def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm``: :math:`w \odot x / \sqrt{\overline{x^2} + \epsilon}` (float32 statistics),
-    as one ``rms_norm`` call; other modules are called."""
-    eps = getattr(module, "variance_epsilon", None)
-    if type(module).__name__ != "LlamaRMSNorm" or eps is None:
-        return module(x)
-    y = torch.nn.functional.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=float(eps))
-    return module.weight * y.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's rotary embedding, :math:`x\cos + \mathrm{rot}(x)\sin` with
-    :math:`\mathrm{rot}(x) = (-x_2, x_1)` (the two halves of the head dimension)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _Plan:
-    """What every decode step of one buffer set reuses: the rotary table and fused weights."""
-
-    def __init__(self, backbone, like: torch.Tensor, capacity: int):
-        rot = backbone.rotary_emb
-        self.table = None
-        # a static rotary embedding is a function of the position alone: tabulate it once
-        if getattr(rot, "rope_type", None) == "default":
-            pos = torch.arange(capacity, device=like.device)[None]
-            cos, sin = rot(like, pos)
-            self.table = (cos[0], sin[0])
-        self.layers = []
-        for layer in backbone.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = _fused(attn, (attn.q_proj, attn.k_proj, attn.v_proj))
-            gate_up = None
-            if type(mlp).__name__ == "LlamaMLP":
-                gate_up = _fused(mlp, (mlp.gate_proj, mlp.up_proj))
-            self.layers.append((qkv, gate_up))
-
-    def rotary(self, backbone, x, position):
-        if self.table is None:
-            cos, sin = backbone.rotary_emb(x, position[:, None])
-            return cos[:, None], sin[:, None]
-        return self.table[0][position][:, None, None], self.table[1][position][:, None, None]
 
 
 @torch.no_grad()
@@ -192,12 +117,9 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
       token: ``[B]`` token ids; position: ``[B]`` their position ids.
       attention_mask: ``[B, length + 1]`` (1 = real token, 0 = padding), covering the
         cached tokens and the new one.
-
-    Per call of the buffers (the weights do not change while an action is sampled): the
-    rotary embedding of every position is tabulated once (static rotary types), and small
-    plain projections are stacked once (q/k/v as one product, gate/up as one), the
-    stacked weights reused while the weights' in-place versions are unchanged.
     """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     B = token.shape[0]
     L = buffers.length
     if L >= buffers.capacity:
@@ -205,46 +127,26 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
     if tuple(attention_mask.shape) != (B, L + 1):
         raise ValueError(f"attention_mask: expected shape {(B, L + 1)}, got {tuple(attention_mask.shape)}")
     x = backbone.embed_tokens(token[:, None])
-    plan = buffers.plan
-    if plan is None or plan.backbone is not backbone:
-        plan = buffers.plan = _Plan(backbone, x, buffers.capacity)
-        plan.backbone = backbone
-    cos, sin = plan.rotary(backbone, x, position)
+    cos, sin = backbone.rotary_emb(x, position[:, None])
     mask = attention_mask.bool()[:, None, None, :]
     n_layers = getattr(backbone.config, "num_hidden_layers", len(backbone.layers))
     for i, layer in enumerate(backbone.layers[:n_layers]):
         attn = layer.self_attn
         D = attn.head_dim
-        h = _norm(layer.input_layernorm, x)
-        qkv, gate_up = plan.layers[i]
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, 1, -1, D).transpose(1, 2)
+        k = attn.k_proj(h).view(B, 1, -1, D).transpose(1, 2)
+        v = attn.v_proj(h).view(B, 1, -1, D).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kb, vb = buffers.k[i], buffers.v[i]
-        Hkv = kb.shape[1]
-        if qkv is not None:
-            q, k, v = torch.nn.functional.linear(h, qkv[0], qkv[1]).view(B, -1, D).split(
-                [qkv[0].shape[0] // D - 2 * Hkv, Hkv, Hkv], dim=1)
-            # rotary on the queries and keys at once: [B, H + Hkv, 1, D]
-            qk = _rope(torch.cat((q, k), 1)[:, :, None], cos, sin)
-            H = q.shape[1]
-            q, k, v = qk[:, :H], qk[:, H:], v[:, :, None]
-        else:
-            q = attn.q_proj(h).view(B, 1, -1, D).transpose(1, 2)
-            k = attn.k_proj(h).view(B, 1, -1, D).transpose(1, 2)
-            v = attn.v_proj(h).view(B, 1, -1, D).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            H = q.shape[1]
         kb[:, :, L:L + 1] = k
         vb[:, :, L:L + 1] = v
+        H, Hkv = q.shape[1], kb.shape[1]
         # the H / H_kv query heads of a key/value group attend as that group's queries
         qg = q.reshape(B, Hkv, H // Hkv, D)
         o = torch.nn.functional.scaled_dot_product_attention(
             qg, kb[:, :, :L + 1], vb[:, :, :L + 1], attn_mask=mask, scale=attn.scaling)
         x = x + attn.o_proj(o.reshape(B, 1, H * D))
-        h = _norm(layer.post_attention_layernorm, x)
-        if gate_up is not None:
-            mlp = layer.mlp
-            g, u = torch.nn.functional.linear(h, gate_up[0], gate_up[1]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(g) * u)
-        else:
-            x = x + layer.mlp(h)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
     buffers.length = L + 1
-    return _norm(backbone.norm, x)[:, -1]
+    return backbone.norm(x)[:, -1]

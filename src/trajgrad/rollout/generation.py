@@ -366,7 +366,6 @@ class HFBackend:
         self.head_in_float32 = bool(head_in_float32)
         self.reuse_kv = bool(reuse_kv)
         self.fast_decode = bool(fast_decode)
-        self.prefix_levels = 2  # shared-prefix levels (:meth:`_shared_prefix`); 1: the common prefix only
 
     @property
     def device(self) -> torch.device:
@@ -423,18 +422,9 @@ class HFBackend:
 
     @torch.no_grad()
     def _shared_prefix(self, seqs: List[List[int]], past: List[Optional[RowKV]], min_tokens: int = 8):
-        """Rows with nothing cached that share prefixes: run each distinct prefix once and give
-        its rows its keys and values.
-
-        Two levels (:func:`~trajgrad.model.positions.prefix_groups` at each): the prefix of
-        length :math:`P_1` that saves most (a few-shot preamble common to every prompt), then,
-        after it, the continuation of length :math:`P_2` that saves most (the prompt a GRPO
-        group's members share). Level one runs once per distinct :math:`P_1`-prefix; level
-        two runs each distinct continuation once on top of its level-one keys and values.
-        Only the final rows are read back (:func:`~trajgrad.model.kv.extract_rows`): one
-        per distinct prefix of length :math:`P_1 + P_2`. The same keys and values as a
-        full forward pass up to float rounding; every row keeps at least one token to run.
-        """
+        """Rows with nothing cached that share prefixes (a group's prompt, a common system
+        prompt; :func:`~trajgrad.model.positions.prefix_groups`): run each distinct prefix
+        once and give its rows its keys and values."""
         fresh = [i for i, p in enumerate(past) if p is None]
         if len(fresh) < 2:
             return past
@@ -448,36 +438,14 @@ class HFBackend:
         if groups is None:
             return past
         device = model_device(self.model)
-        P1 = groups.length
-        head = ids[groups.rows, :P1].to(device)
+        head = ids[groups.rows, :groups.length].to(device)
         ones = torch.ones_like(head)
         step_fn = _Stepper(self.model, False)
         step_fn(input_ids=head, attention_mask=ones, position_ids=position_ids_from_attention_mask(ones), cache=None)
-        cache, index, att = step_fn.cache, groups.index, ones
-        # level two: the continuations after P1, led by a column holding the row's level-one
-        # group, so that only rows of one level-one group can share a continuation
-        second = None
-        if self.prefix_levels >= 2 and T > P1 + 1:
-            lead = groups.index[:, None].to(ids.dtype)
-            second = prefix_groups(torch.cat([lead, ids[:, P1:]], 1), torch.cat([torch.ones_like(lead), mask[:, P1:]], 1),
-                                   min_prefix=min_tokens + 1)
-        layers = cache_layers(cache)
-        if second is not None and layers is not None:
-            from transformers import DynamicCache
-
-            P2 = second.length - 1
-            src = groups.index[second.rows].to(device)  # the level-one group of each continuation
-            data = [(k.index_select(0, src), v.index_select(0, src)) for k, v in layers]
-            tail = ids[second.rows, P1:P1 + P2].to(device)
-            att = torch.ones((tail.shape[0], P1 + P2), dtype=torch.long, device=device)
-            pos = torch.arange(P1, P1 + P2, device=device).expand(tail.shape[0], -1)
-            step_fn = _Stepper(self.model, False)
-            step_fn(input_ids=tail, attention_mask=att, position_ids=pos, cache=DynamicCache(ddp_cache_data=data))
-            cache, index = step_fn.cache, second.index
-        shared = extract_rows(cache, torch.arange(att.shape[0]), att)
+        shared = extract_rows(step_fn.cache, torch.arange(head.shape[0]), ones)
         if shared is None:
             return past
         out = list(past)
         for r, i in enumerate(fresh):
-            out[i] = shared[int(index[r])]
+            out[i] = shared[int(groups.index[r])]
         return out
