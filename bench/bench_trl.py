@@ -110,16 +110,17 @@ def run_trajgrad(steps: int, warmup: int, workload: str = "tiny") -> dict:
     inner = {"forward": 0.0, "optimizer": 0.0}
     _timed(updates, "logprobs", inner, "forward")
     _timed(updates, "finish_step", inner, "optimizer")
-    times, parts = [], {"time/generate": 0.0, "time/logprob_recompute": 0.0, "time/update": 0.0}
+    times, cpu, parts = [], [], {"time/generate": 0.0, "time/logprob_recompute": 0.0, "time/update": 0.0}
     split = {"forward": 0.0, "optimizer": 0.0}
     for i in range(steps + warmup):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         before = dict(inner)
         m = tr.train_step()
         tr.step += 1
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
+            cpu.append(time.process_time() - c0)
             for k in parts:
                 parts[k] += m.get(k, 0.0)
             for k in split:
@@ -130,7 +131,8 @@ def run_trajgrad(steps: int, warmup: int, workload: str = "tiny") -> dict:
     bd["update/optimizer"] = split["optimizer"] / total
     # backward and the per-token log written during the update (tokens.jsonl)
     bd["update/backward_and_rest"] = bd["time/update"] - bd["update/forward"] - bd["update/optimizer"]
-    return {"samples_per_s": steps * P * G / total, "seconds": total, "steps": steps, "breakdown": bd}
+    return {"samples_per_s": steps * P * G / total, "seconds": total, "steps": steps, "breakdown": bd,
+            "samples_per_cpu_s": steps * P * G / sum(cpu)}
 
 
 def run_trl(steps: int, warmup: int, workload: str = "tiny") -> dict:
@@ -166,11 +168,12 @@ def run_trl(steps: int, warmup: int, workload: str = "tiny") -> dict:
             out.append(1.0 if got is not None and got.strip() == str(a) else 0.0)
         return out
 
-    stamps = []
+    stamps, cpu_stamps = [], []
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
+            cpu_stamps.append(time.process_time())
 
     import tempfile
 
@@ -182,12 +185,15 @@ def run_trl(steps: int, warmup: int, workload: str = "tiny") -> dict:
                       dataloader_num_workers=0, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()], peft_config=peft_config)
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), time.process_time()
     trainer.train()
     marks = [t_start] + stamps
     durations = [b - a for a, b in zip(marks[:-1], marks[1:])][warmup:]
+    cmarks = [c_start] + cpu_stamps
+    cpu = [b - a for a, b in zip(cmarks[:-1], cmarks[1:])][warmup:]
     total = sum(durations)
-    return {"samples_per_s": len(durations) * P * G / total, "seconds": total, "steps": len(durations)}
+    return {"samples_per_s": len(durations) * P * G / total, "seconds": total, "steps": len(durations),
+            "samples_per_cpu_s": len(durations) * P * G / sum(cpu)}
 
 
 def _breakdown(bd: dict) -> str:
@@ -236,7 +242,8 @@ def main() -> None:
                 raise SystemExit(f"{side} failed")
             runs[side].append(json.loads(line[0][7:]))
             loads.append(os.getloadavg()[0])
-            print(f"round {rnd + 1} {side}: {runs[side][-1]['samples_per_s']:.2f} samples/s", flush=True)
+            print(f"round {rnd + 1} {side}: {runs[side][-1]['samples_per_s']:.2f} samples/s, "
+                  f"{runs[side][-1].get('samples_per_cpu_s', float('nan')):.2f} per CPU-second", flush=True)
     res = {side: sorted(r, key=lambda x: x["samples_per_s"])[len(r) // 2] for side, r in runs.items()}  # median run
     import torch
     import trl
@@ -277,6 +284,16 @@ def main() -> None:
         + ("" if "baseline" not in runs else
            ", trajgrad before " + ", ".join(f"{r['samples_per_s']:.1f}" for r in runs["baseline"])) + ".",
     ]
+    if all("samples_per_cpu_s" in r for rr in runs.values() for r in rr):
+        cres = {side: sorted(x["samples_per_cpu_s"] for x in r)[len(r) // 2] for side, r in runs.items()}
+        md += ["", "Per CPU-second of each process (process time, robust to other jobs on a shared machine; one "
+               "torch thread): median samples per CPU-second trajgrad " + f"{cres['trajgrad']:.2f}, TRL {cres['trl']:.2f}"
+               + (f", trajgrad before {cres['baseline']:.2f}" if "baseline" in cres else "")
+               + f"; ratio trajgrad / TRL **{cres['trajgrad'] / cres['trl']:.2f}x** (per round: "
+               + ", ".join(f"{t['samples_per_cpu_s'] / r['samples_per_cpu_s']:.2f}x"
+                           for t, r in zip(runs["trajgrad"], runs["trl"])) + ")"
+               + (f"; trajgrad / before {cres['trajgrad'] / cres['baseline']:.2f}x" if "baseline" in cres else "")
+               + "."]
     if "baseline" in res:
         sp = [t["samples_per_s"] / b["samples_per_s"] for t, b in zip(runs["trajgrad"], runs["baseline"])]
         md += ["", f"This version / the baseline (same rounds): " + ", ".join(f"{x:.2f}x" for x in sp)
