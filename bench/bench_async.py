@@ -76,6 +76,22 @@ def _throughput_config(kind: str, workers: int, mu: float, sigma: float, seed: i
     return build_config(data)
 
 
+def _worker_time(run_dir, workers: int, seconds: float, extra=()) -> dict:
+    """Where the rollout workers' time went, from the logged trajectories (every finished
+    sub-trace, trained or dropped): ``busy`` = sum over episodes of (generation + environment
+    time) / (workers x seconds); ``gen_share`` = generation / (generation + environment);
+    mean seconds per turn of each."""
+    from trajgrad.rollout import read_trajectories
+
+    path = Path(run_dir) / "trajectories.jsonl"
+    trajs = (read_trajectories(path) if path.exists() else []) + list(extra)
+    gen = sum(u.gen_seconds for t in trajs for u in t.turns)
+    env = sum(u.env_seconds for t in trajs for u in t.turns)
+    turns = sum(len(t.turns) for t in trajs)
+    return {"busy": (gen + env) / max(workers * seconds, 1e-9), "gen_share": gen / max(gen + env, 1e-9),
+            "gen_per_turn": gen / max(turns, 1), "env_per_turn": env / max(turns, 1)}
+
+
 def _rows(run_dir):
     from trajgrad.train.metrics import read_metrics
 
@@ -89,6 +105,8 @@ def run_sao(kind, workers, mu, sigma, seconds, seed, root):
     at = AsyncTrainer(cfg, root, console=lambda *a: None)
     s = at.run(max_seconds=seconds)
     rows = _rows(root)
+    # finished episodes still waiting in the gate at the end (not logged yet)
+    waiting = [t for item in at.gate.pending for t in item.payload[0]]
     n = np.array([r["batch/trajectories"] for r in rows])
     lag = np.array([r["lag/mean"] for r in rows])
     return {
@@ -98,6 +116,7 @@ def run_sao(kind, workers, mu, sigma, seconds, seed, root):
         "lag_mean": float((n * lag).sum() / max(n.sum(), 1)), "lag_max": max((r["lag/max"] for r in rows), default=0),
         "dropped_lag": s["dropped_lag"], "W_per_rollout": 0.0, "W_per_update": 0.0,
         "idle_frac": float(np.mean([r["time/learner_idle_frac"] for r in rows])) if rows else float("nan"),
+        **_worker_time(root, workers, s["seconds"], waiting),
     }
 
 
@@ -116,6 +135,7 @@ def run_grpo_ray(workers, mu, sigma, seconds, seed, root):
         "W_per_rollout": s["group_wait_W_per_rollout"],
         "W_per_update": float(np.mean([r["group/wait_W"] for r in rows])) if rows else float("nan"),
         "idle_frac": float(np.mean([r["time/learner_idle_frac"] for r in rows])) if rows else float("nan"),
+        **_worker_time(root, workers, s["seconds"]),
     }
 
 
@@ -154,6 +174,7 @@ def run_grpo_local(mu, sigma, seconds, seed, root):
         "trajectories": n_traj, "traj_per_s": n_traj / dt, "trained_per_s": n_traj / dt, "lag_mean": 0.0,
         "lag_max": 0, "dropped_lag": 0, "W_per_rollout": float(sum(W) / max(n_traj, 1)),
         "W_per_update": float(np.mean(W)) if W else float("nan"), "idle_frac": float("nan"),
+        **_worker_time(root, 1, dt),
     }
 
 
@@ -268,8 +289,9 @@ def write_report(path, args, rows, curves, loads, cmd):
     header = [
         "",
         "| variant | workers | episodes in flight | updates | trajectories | trajectories/s | trained/s | mean lag | "
-        "max lag | dropped (lag) | W per rollout (s) | W per update (s) | learner idle |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "max lag | dropped (lag) | W per rollout (s) | W per update (s) | learner idle | worker busy | "
+        "generation share | generation s/turn | env s/turn |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     settings = []
     for r in rows:
@@ -278,14 +300,17 @@ def write_report(path, args, rows, curves, loads, cmd):
     for mu, sigma in settings:
         sub = [r for r in rows if (r["mu"], r["sigma"]) == (mu, sigma)]
         lines += ["", f"### mu = {mu:.4f} = log({math.exp(mu):.3g} s), sigma = {sigma}: median "
-                      f"{math.exp(mu) * 1000:.0f} ms, mean {math.exp(mu + sigma ** 2 / 2) * 1000:.0f} ms per step"]
+                      f"{math.exp(mu) * 1000:.0f} ms, mean {math.exp(mu + sigma ** 2 / 2) * 1000:.0f} ms per step; "
+                      f"{sub[0].get('budget', args.seconds):.0f} s per variant"]
         lines += header
         for r in sub:
             idle = "n/a" if math.isnan(r["idle_frac"]) else f"{r['idle_frac']:.0%}"
             lines.append(
                 f"| {r['variant']} | {r['workers']} | {r['in_flight']} | {r['updates']} | {r['trajectories']} | "
                 f"{r['traj_per_s']:.2f} | {r['trained_per_s']:.2f} | {r['lag_mean']:.2f} | {r['lag_max']:.0f} | "
-                f"{r['dropped_lag']} | {r['W_per_rollout']:.3f} | {r['W_per_update']:.3f} | {idle} |")
+                f"{r['dropped_lag']} | {r['W_per_rollout']:.3f} | {r['W_per_update']:.3f} | {idle} | "
+                f"{r.get('busy', float('nan')):.0%} | {r.get('gen_share', float('nan')):.0%} | "
+                f"{r.get('gen_per_turn', float('nan')):.3f} | {r.get('env_per_turn', float('nan')):.3f} |")
         by = {r["variant"]: r for r in sub}
         if "sao" in by and "grpo-ray" in by:
             ratio = by["sao"]["traj_per_s"] / max(by["grpo-ray"]["traj_per_s"], 1e-9)
@@ -302,7 +327,11 @@ def write_report(path, args, rows, curves, loads, cmd):
         "the learner (grpo-ray) or the time its last environment step returned (grpo-local, whose sampler steps the "
         "environments of a batch one after the other). `trajectories` counts finished sub-traces (SAO: including the "
         "ones later dropped for lag); `trained/s` only those that reached an update; `learner idle` is the fraction "
-        "of the loop the learner spent waiting for rollouts.",
+        "of the loop the learner spent waiting for rollouts. `worker busy` is the workers' generation plus "
+        "environment time over workers x wall-clock (what is missing: Ray calls, weight loading, episodes still in "
+        "flight at the end, and for grouped GRPO the barrier and the update, during which workers wait); "
+        "`generation share` is generation / (generation + environment): near 100% the setting is bound by the "
+        "CPU, not by the latency.",
     ]
     if curves is not None:
         g, s = curves["grpo"], curves["sao"]
@@ -336,7 +365,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget of each throughput variant")
     p.add_argument("--latency", nargs="+", default=["0.05,1.0"],
-                   help="one or more MEDIAN_SECONDS,SIGMA settings: mu = log(MEDIAN_SECONDS), sigma in log-seconds")
+                   help="one or more MEDIAN_SECONDS,SIGMA[,BUDGET_SECONDS] settings: mu = log(MEDIAN_SECONDS), sigma in "
+                   "log-seconds, each variant trained for BUDGET_SECONDS (default --seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default="sao,sao-q1,grpo-ray,grpo-local")
     p.add_argument("--skip-curves", action="store_true")
@@ -347,8 +377,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     settings = []
     for item in args.latency:
-        med, sig = (float(x) for x in item.split(","))
-        settings.append((math.log(med), sig))
+        vals = [float(x) for x in item.split(",")]
+        med, sig = vals[0], vals[1]
+        settings.append((math.log(med), sig, vals[2] if len(vals) > 2 else args.seconds))
 
     import ray
     import torch
@@ -362,19 +393,19 @@ def main(argv=None):
     rows = []
     curves = None
     try:
-        for k, (mu, sigma) in enumerate(settings):
+        for k, (mu, sigma, seconds) in enumerate(settings):
             for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
                 print(f"== {v}, mu={mu:.4f}, sigma={sigma}", flush=True)
                 d = root / f"{k}-{v}"
                 if v in ("sao", "sao-q1"):
-                    r = run_sao(v, args.workers, mu, sigma, args.seconds, args.seed, d)
+                    r = run_sao(v, args.workers, mu, sigma, seconds, args.seed, d)
                 elif v == "grpo-ray":
-                    r = run_grpo_ray(args.workers, mu, sigma, args.seconds, args.seed, d)
+                    r = run_grpo_ray(args.workers, mu, sigma, seconds, args.seed, d)
                 elif v == "grpo-local":
-                    r = run_grpo_local(mu, sigma, args.seconds, args.seed, d)
+                    r = run_grpo_local(mu, sigma, seconds, args.seed, d)
                 else:
                     raise SystemExit(f"--variants: unknown {v!r}")
-                r.update(mu=mu, sigma=sigma)
+                r.update(mu=mu, sigma=sigma, budget=seconds)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 loads.append(f"after {v} ({math.exp(mu):.3g} s) {_machine_load()}")
