@@ -264,3 +264,54 @@ def test_zero_length_batch_is_a_zero_loss(fn, shape, adv_1d):
     assert logp.grad.shape == (B, L)
     assert res.metrics["tokens"].item() == 0
     assert all(torch.isfinite(v) for v in res.metrics.values())
+
+
+def _tensor_path_gspo(logp, old, adv, mask, eps_low, eps_high, mode, constant=None, denominator=None):
+    """The GSPO loss by tensor operations and autograd (the reference for the closed-form path)."""
+    from trajgrad.losses.ppo import _clip_bounds, _clipped_surrogate
+
+    el, eh, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    m = torch.as_tensor(mask).to(logp.dtype)
+    n = m.sum(-1)
+    log_s = ((logp - old) * m).sum(-1) / n.clamp_min(1)
+    a = adv * (n > 0).to(adv.dtype)
+    j = _clipped_surrogate(log_s, a, el, eh, lo_b, hi_b)
+    return -aggregate(j[:, None] * m, m.bool(), mode, constant=constant, denominator=denominator)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("denominator", [None, 2.5])
+def test_closed_form_path_equals_tensor_path(mode, seed, denominator):
+    # ratios on both sides of both bounds, both advantage signs, an empty row, ties at the bounds
+    logp, old, adv, mask = random_batch(100 + seed, b=8, l=7, scale=0.3)
+    mask[3] = 0
+    mask[5] = 0
+    mask[5, :2] = 1
+    old[5, :2] = logp[5, :2] - math.log1p(0.1)  # log s exactly on the upper bound of eps_high = 0.1
+    adv[5] = 1.0 if seed % 2 else -1.0
+    constant = 5.0 if mode == "seq_sum_constant" else None
+    res, grad = run(gspo_loss, logp, old, adv, mask, aggregation=mode, eps_low=0.1, eps_high=0.1,
+                    constant=constant, denominator=denominator)
+    lp = t(logp).requires_grad_(True)
+    ref = _tensor_path_gspo(lp, t(old), t(adv), mask, 0.1, 0.1, mode, constant=constant, denominator=denominator)
+    ref.backward()
+    assert res.loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-15)
+    assert torch.allclose(grad, lp.grad, rtol=1e-12, atol=1e-15)
+    # the weighted (tensor) path with unit weights agrees too
+    res_w, grad_w = run(gspo_loss, logp, old, adv, mask, aggregation=mode, eps_low=0.1, eps_high=0.1,
+                        constant=constant, denominator=denominator, weights=torch.ones(8, 7, dtype=D64))
+    assert res_w.loss.item() == pytest.approx(res.loss.item(), rel=1e-12, abs=1e-15)
+    assert torch.allclose(grad_w, grad, rtol=1e-12, atol=1e-15)
+    assert grad[3].abs().sum() == 0 and grad[5, 2:].abs().sum() == 0
+
+
+def test_closed_form_path_float32_matches_float64():
+    logp, old, adv, mask = random_batch(7, b=16, l=50, scale=0.01)
+    r64, g64 = run(gspo_loss, logp, old, adv, mask, eps_low=0.004, eps_high=0.004)
+    lp = logp.float().requires_grad_(True)
+    r32 = gspo_loss(lp, old.float(), adv.float(), mask, eps_low=0.004, eps_high=0.004)
+    r32.loss.backward()
+    assert r32.loss.dtype == torch.float32 and lp.grad.dtype == torch.float32
+    assert r32.loss.item() == pytest.approx(r64.loss.item(), rel=1e-5)
+    assert torch.allclose(lp.grad.double(), g64, rtol=1e-4, atol=1e-7)

@@ -45,10 +45,10 @@ class Inputs:
     """
 
     __slots__ = ("raw_logp", "maskf", "_advantages", "raw_behaviour", "lengths", "tokens", "adv_seq", "finite",
-                 "_mask", "_logp", "_behaviour", "_z", "sums")
+                 "_mask", "_logp", "_behaviour", "_z", "sums", "rows")
 
     def __init__(self, raw_logp, mask, maskf, advantages, raw_behaviour, lengths, tokens, adv_seq, finite,
-                 logp=None, behaviour=None, sums=None):
+                 logp=None, behaviour=None, sums=None, rows=None):
         self.raw_logp = raw_logp  # [B, L] attached; finite everywhere when ``finite``
         self.maskf = maskf  # [B, L] 0/1 in logp's dtype
         self._advantages = advantages  # [B, L] detached, exactly 0 at masked slots (None: from adv_seq)
@@ -64,6 +64,9 @@ class Inputs:
         # detached 0-D sums over the valid tokens ("logp", "advantages", "behaviour"), by the
         # finiteness check on the fast path with valid_sums (None otherwise)
         self.sums = sums
+        # detached [B] row sums of the log ratio over the valid tokens, by the finiteness check on the
+        # fast path with row_ratio (None otherwise)
+        self.rows = rows
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -113,6 +116,8 @@ class Inputs:
     def row_log_ratio(self) -> torch.Tensor:
         r"""``[B]`` attached :math:`\sum_t(\ell^\theta_t-\mathrm{sg}[\ell^{old}_t])` over each row's valid
         tokens (the difference is formed first: no cancellation between two large sums)."""
+        if self.rows is not None:
+            return _RowSum.apply(self.raw_logp, self.rows, self.maskf)
         if self.finite and self._z is None:
             return torch.linalg.vecdot(self.raw_logp - self.raw_behaviour, self.maskf)
         return self.log_ratio().sum(-1)
@@ -125,6 +130,38 @@ class Inputs:
             else:
                 self._z = self.logp - self.behaviour
         return self._z
+
+
+class _RowSum(torch.autograd.Function):
+    r"""``[B]`` row sums over valid tokens formed by the caller (``rows``, detached), attached to ``logp``:
+    the gradient of :math:`\sum_t m_t\ell_t` is :math:`g_i m_t`."""
+
+    @staticmethod
+    def forward(ctx, logp, rows, maskf):
+        ctx.save_for_backward(maskf)
+        return rows.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (maskf,) = ctx.saved_tensors
+        return maskf * g[:, None], None, None
+
+
+class SequenceTerm(torch.autograd.Function):
+    r"""A scalar :math:`\mathcal L` whose gradient is :math:`c_i m_{i,t}` for a ``[B]`` coefficient ``coef``
+    (one autograd node for a loss that depends on ``logp`` only through its valid row sums:
+    :math:`c_i=\partial\mathcal L/\partial\sum_t m_{i,t}\ell_{i,t}`). ``value``, ``coef`` and ``maskf``
+    are detached and computed by the caller."""
+
+    @staticmethod
+    def forward(ctx, logp, value, coef, maskf):
+        ctx.save_for_backward(coef, maskf)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        coef, maskf = ctx.saved_tensors
+        return maskf * (coef * g)[:, None], None, None, None
 
 
 def _as_mask(mask, shape, dtype) -> tuple:
@@ -157,10 +194,14 @@ def prepare(
     behaviour_name: Optional[str] = None,
     advantages_name: str = "advantages",
     valid_sums: bool = False,
+    row_ratio: bool = False,
 ) -> Inputs:
-    """Validate and sanitize the inputs of a policy loss (see the module docstring).
+    r"""Validate and sanitize the inputs of a policy loss (see the module docstring).
 
     ``valid_sums``: make the finiteness check the valid-token sums (:meth:`Inputs.valid_total`).
+    ``row_ratio`` (with a behaviour input): make the check of ``logp`` and the behaviour log-probs
+    the row sums :math:`\sum_t m_t(\ell_t-\ell^{b}_t)` (:attr:`Inputs.rows`): a difference is finite
+    only when both terms are, and a non-finite product with the 0/1 mask makes its row sum non-finite.
     """
     _checks.check_choice("aggregation", aggregation, MODES)
     logp = _checks.as_tensor("logp", logp)
@@ -185,8 +226,11 @@ def prepare(
         beh = beh.to(logp.dtype)
     adv = adv.to(logp.dtype)
     with torch.no_grad():
-        sums = None
-        if valid_sums:
+        sums = rows = None
+        if row_ratio and beh is not None:
+            rows = torch.linalg.vecdot(logp.detach() - beh, mf)
+            total = rows.sum() + adv.sum()
+        elif valid_sums:
             # each product is non-finite iff a stored value is (valid or masked slot): the check and the valid sums
             flat_m = mf.reshape(-1)
             sums = {"logp": torch.dot(logp.detach().reshape(-1), flat_m),
@@ -202,8 +246,8 @@ def prepare(
     if finite:
         tokens = lengths.sum()
         if adv.ndim == 1:
-            return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums)
-        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums)
+            return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums, rows=rows)
+        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums, rows=rows)
     mb = mf.bool() if mb is None else mb
     logp_s = _checks.per_token("logp", logp, shape, mb)
     adv_seq = None
@@ -375,5 +419,5 @@ WEIGHTS_DOC = """weights: optional ``[B, L]`` per-token multiplier of the per-to
         aggregation (detached; e.g. :attr:`trajgrad.correction.Correction.weight`). A token
         with weight 0 leaves the numerator but keeps its place in the denominator."""
 
-__all__ = ["Inputs", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",
+__all__ = ["Inputs", "SequenceTerm", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",
            "token_weights", "weighted", "valid_sum", "linear_in_logp"]

@@ -7,6 +7,7 @@ geometric mean of the token ratios,
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from ..diagnostics import _fast_policy_metrics
 from ..types import LossResult
 from ._common import (
-    aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
+    SequenceTerm, _count, aggregate_sequences, aggregate_tokens, check_aggregation, prepare, ratio_metrics,
+    sequence_advantages, token_weights, weighted,
 )
 from .ppo import _clip_bounds, _clipped_surrogate
 
@@ -80,15 +82,20 @@ def gspo_loss(
       (non-empty count) and ``tokens`` (valid tokens).
     """
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
-    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp",
+                row_ratio=True)
     seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
-    log_s = x.row_log_ratio() / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
-    j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
     w = token_weights(weights, x)
-    if w is None:
-        loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
-    else:  # the response term spread over its tokens, each weighted
-        loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
+    attached_d = isinstance(denominator, torch.Tensor) and denominator.requires_grad
+    if w is None and not attached_d:
+        loss, log_s = _sequence_loss(x, seq_adv, lo_b, hi_b, aggregation, constant, denominator)
+    else:
+        log_s = x.row_log_ratio() / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
+        j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
+        if w is None:
+            loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
+        else:  # the response term spread over its tokens, each weighted
+            loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
         nonempty = (x.lengths > 0)[:, None]
         nf = nonempty.to(x.lengths.dtype)
@@ -98,6 +105,45 @@ def gspo_loss(
     metrics["sequences"] = metrics.pop("tokens")
     metrics["tokens"] = x.tokens.detach().to(metrics["sequences"].dtype)
     return LossResult(loss, metrics)
+
+
+def _exp(v: float) -> float:
+    return math.exp(v) if v < 709.0 else math.inf
+
+
+def _sequence_loss(x, seq_adv, lo_b, hi_b, mode, constant, denominator):
+    r"""GSPO's loss and ``log s`` without weights: the per-sequence part
+    (:math:`B` numbers) in float64 by the interpreter, and one autograd node whose backward pass is the
+    closed form :math:`\partial\mathcal L/\partial\ell_{i,t}=m_{i,t}\,w_i\,(-\partial J_i/\partial\log s_i)
+    /(L_i D)` with :math:`\partial J_i/\partial\log s_i=\hat A_i s_i` where the clamp of
+    :func:`trajgrad.losses.ppo._clipped_surrogate` is inactive (bounds included), else 0. Equal to
+    the tensor path (tested) up to float rounding."""
+    check_aggregation(mode, constant)
+    with torch.no_grad():
+        rows = x.rows if x.rows is not None else x.log_ratio().detach().sum(-1)  # None: not the fast path
+        log_s = rows / x.lengths.clamp_min(1)  # [B]; 0 on empty rows
+        d = float(_count(x, mode, denominator, log_s))
+        ls, ns, advs = log_s.tolist(), x.lengths.tolist(), seq_adv.tolist()
+        if mode == "seq_mean_token_mean":
+            ws = [1.0] * len(ns)
+        elif mode == "seq_sum_constant":
+            c = float(constant) if constant is not None else float(x.maskf.shape[-1])
+            ws = [n / c for n in ns]
+        else:
+            ws = ns
+        total = 0.0
+        coefs = []
+        for z, n, a, wi in zip(ls, ns, advs, ws):
+            if a >= 0.0:  # upper bound only (A = 0: value and gradient 0)
+                zc, active = min(z, hi_b), z <= hi_b
+            else:
+                zc, active = max(z, lo_b), z >= lo_b
+            total += wi * a * _exp(zc)
+            coefs.append(-wi * a * _exp(z) / (max(n, 1.0) * d) if active else 0.0)
+        dt, dev = x.raw_logp.dtype, x.raw_logp.device
+        value = torch.tensor(-total / d, dtype=dt, device=dev)
+        coef = torch.tensor(coefs, dtype=dt, device=dev)
+    return SequenceTerm.apply(x.raw_logp, value, coef, x.maskf), log_s
 
 
 def gspo_token_loss(
