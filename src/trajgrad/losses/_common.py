@@ -45,10 +45,10 @@ class Inputs:
     """
 
     __slots__ = ("raw_logp", "maskf", "_advantages", "raw_behaviour", "lengths", "tokens", "adv_seq", "finite",
-                 "_mask", "_logp", "_behaviour", "_z", "sums", "rows")
+                 "_mask", "_logp", "_behaviour", "_z", "sums", "rows", "zd")
 
     def __init__(self, raw_logp, mask, maskf, advantages, raw_behaviour, lengths, tokens, adv_seq, finite,
-                 logp=None, behaviour=None, sums=None, rows=None):
+                 logp=None, behaviour=None, sums=None, rows=None, zd=None):
         self.raw_logp = raw_logp  # [B, L] attached; finite everywhere when ``finite``
         self.maskf = maskf  # [B, L] 0/1 in logp's dtype
         self._advantages = advantages  # [B, L] detached, exactly 0 at masked slots (None: from adv_seq)
@@ -67,6 +67,9 @@ class Inputs:
         # detached [B] row sums of the log ratio over the valid tokens, by the finiteness check on the
         # fast path with row_ratio (None otherwise)
         self.rows = rows
+        # detached [B, L] log ratio, exactly 0 at masked slots, formed by the check with log_ratio_sum
+        # (its valid sum is ``sums["log_ratio"]``; None otherwise)
+        self.zd = zd
 
     @property
     def advantages(self) -> torch.Tensor:
@@ -107,7 +110,7 @@ class Inputs:
     def valid_total(self, key: str) -> torch.Tensor:
         """Detached sum over the valid tokens of ``"logp"``, ``"advantages"`` or ``"behaviour"``
         (formed by the check with ``prepare(..., valid_sums=True)``, else summed here)."""
-        if self.sums is not None:
+        if self.sums is not None and key in self.sums:
             return self.sums[key]
         with torch.no_grad():
             t = {"logp": self.logp, "advantages": self.advantages, "behaviour": self.behaviour}[key]
@@ -195,6 +198,7 @@ def prepare(
     advantages_name: str = "advantages",
     valid_sums: bool = False,
     row_ratio: bool = False,
+    log_ratio_sum: bool = False,
 ) -> Inputs:
     r"""Validate and sanitize the inputs of a policy loss (see the module docstring).
 
@@ -202,6 +206,9 @@ def prepare(
     ``row_ratio`` (with a behaviour input): make the check of ``logp`` and the behaviour log-probs
     the row sums :math:`\sum_t m_t(\ell_t-\ell^{b}_t)` (:attr:`Inputs.rows`): a difference is finite
     only when both terms are, and a non-finite product with the 0/1 mask makes its row sum non-finite.
+    ``log_ratio_sum`` (with a behaviour input): the same check by the dot product of the difference with
+    the mask, which is the valid sum of the log ratio (``sums["log_ratio"]``); the difference, masked in
+    place, is kept as :attr:`Inputs.zd`.
     """
     _checks.check_choice("aggregation", aggregation, MODES)
     logp = _checks.as_tensor("logp", logp)
@@ -226,8 +233,12 @@ def prepare(
         beh = beh.to(logp.dtype)
     adv = adv.to(logp.dtype)
     with torch.no_grad():
-        sums = rows = None
-        if row_ratio and beh is not None:
+        sums = rows = zd = None
+        if log_ratio_sum and beh is not None:
+            zd = logp.detach() - beh
+            sums = {"log_ratio": torch.dot(zd.reshape(-1), mf.reshape(-1))}
+            total = sums["log_ratio"] + adv.sum()
+        elif row_ratio and beh is not None:
             rows = torch.linalg.vecdot(logp.detach() - beh, mf)
             total = rows.sum() + adv.sum()
         elif valid_sums:
@@ -245,9 +256,11 @@ def prepare(
         finite = bool(torch.isfinite(total))
     if finite:
         tokens = lengths.sum()
+        if zd is not None:
+            zd.mul_(mf)
         if adv.ndim == 1:
-            return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums, rows=rows)
-        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums, rows=rows)
+            return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums, rows=rows, zd=zd)
+        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums, rows=rows, zd=zd)
     mb = mf.bool() if mb is None else mb
     logp_s = _checks.per_token("logp", logp, shape, mb)
     adv_seq = None

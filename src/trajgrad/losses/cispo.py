@@ -77,20 +77,26 @@ def cispo_loss(
     """
     lo_b = -math.inf if eps_low is None else _log_bound("eps_low", eps_low, "low")
     hi_b = _log_bound("eps_high", eps_high, "high")
-    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp",
+                log_ratio_sum=True)
     w = token_weights(weights, x)
     with torch.no_grad():
-        z = x.log_ratio().detach()  # 0 at masked positions
-        # one transcendental pass serves the weight and the metrics: r = 1 + expm1(z), clipped in
-        # ratio space (the same bounds exp(log(1 - eps_l)), exp(log(1 + eps_h)); an overflowing
-        # ratio is clipped to the finite upper bound)
+        if x.zd is not None:  # the finiteness check formed z and its valid sum
+            z, sum_z = x.zd, x.sums["log_ratio"]
+        else:
+            z, sum_z = x.log_ratio().detach(), None  # 0 at masked positions
+        # one transcendental pass serves the metrics (KL k3 = mean(e^z - 1 - z), accurate near z = 0) and
+        # the weight r = 1 + expm1(z), clipped as expm1(z) to [expm1(log(1 - eps_l)), expm1(log(1 + eps_h))]
+        # (an overflowing ratio is clipped to the finite upper bound)
         em1 = torch.expm1(z)
-        r_hat = em1.add(1.0).clamp_(min=math.exp(lo_b), max=math.exp(hi_b))
-        # masked slots hold z = 0, r = 1, inside the bounds: the valid sum is the sum less their count
-        r_sum = r_hat.sum() - (r_hat.numel() - x.tokens)
-        coef = r_hat.mul_(x.advantages)
+    metrics = ratio_metrics(z, x, em1=em1, sum_z=sum_z)  # reads em1 before it is clipped in place
+    with torch.no_grad():
+        em1c = em1.clamp_(min=math.expm1(lo_b), max=math.expm1(hi_b))
+        # masked slots hold z = 0, expm1 = 0: the valid sum of r_hat is the sum plus the valid count
+        r_sum = em1c.sum() + x.tokens
+        adv = x.advantages  # 0 at masked slots
+        coef = torch.addcmul(adv, em1c, adv)  # A * (1 + clip(expm1 z)) = A * r_hat
     loss = linear_in_logp(coef, x, aggregation, weights=w, constant=constant, denominator=denominator)
-    metrics = ratio_metrics(z, x, em1=em1)
     with torch.no_grad():
         dt = metrics["tokens"].dtype
         n = metrics["tokens"].clamp_min(1)
