@@ -122,8 +122,15 @@ def _sequence_loss(x, seq_adv, lo_b, hi_b, mode, constant, denominator):
     with torch.no_grad():
         rows = x.rows if x.rows is not None else x.log_ratio().detach().sum(-1)  # None: not the fast path
         log_s = rows / x.lengths.clamp_min(1)  # [B]; 0 on empty rows
-        d = float(_count(x, mode, denominator, log_s))
         ls, ns, advs = log_s.tolist(), x.lengths.tolist(), seq_adv.tolist()
+        if denominator is not None:
+            d = float(_count(x, mode, denominator, log_s))
+        elif mode == "token_mean":
+            d = max(float(sum(ns)), 1.0)
+        elif mode == "token_sum":
+            d = 1.0
+        else:  # the non-empty sequences
+            d = max(float(sum(1 for n in ns if n > 0)), 1.0)
         if mode == "seq_mean_token_mean":
             ws = [1.0] * len(ns)
         elif mode == "seq_sum_constant":
