@@ -112,3 +112,18 @@ def test_weights_scale_the_numerator_only():
     r_hat = torch.exp(logp - old).clamp(max=1.28)
     n = mask.sum()
     assert torch.allclose(g_w, -w * r_hat * adv * mask / n, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("bound", [math.log(1.28), math.log1p(3e-4), math.log(0.8), -1e-30, 1e-42, 2.0 ** -3])
+def test_count_positive_equals_strict_comparison(dtype, bound):
+    from trajgrad.losses.cispo import _count_positive
+
+    g = torch.Generator().manual_seed(5)
+    b = torch.tensor(bound, dtype=dtype)
+    up, down = torch.nextafter(b, torch.tensor(math.inf, dtype=dtype)), torch.nextafter(b, torch.tensor(-math.inf, dtype=dtype))
+    z = torch.cat([torch.randn(3000, generator=g).to(dtype) * abs(bound) * 3, torch.stack([b, up, down] * 50),
+                   torch.zeros(7, dtype=dtype), torch.tensor([1e30, -1e30], dtype=dtype).clamp(-1e4, 1e4)])
+    for diff, want in ((z - bound, (z > b).sum()), (bound - z, (z < b).sum())):
+        got = _count_positive(diff.clone(), bound)
+        assert got.item() == want.item()

@@ -15,6 +15,26 @@ from ..types import LossResult
 from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
 
+def _count_positive(diff: torch.Tensor, bound: float) -> torch.Tensor:
+    r"""Number of positive entries of ``diff``, which is ``z - bound`` or ``bound - z`` for a finite ``z``
+    (consumed in place).
+
+    Three passes instead of four: two distinct floats one of which is the bound :math:`b \ne 0` differ by
+    at least the smaller of the spacings of the floats just below and just above :math:`|b|`, so at
+    least :math:`u`, half the spacing in the binade of :math:`|b|` (a power of two; the rounded
+    difference too, rounding being monotone), so :math:`\operatorname{clamp}(d,0,u)` is exactly :math:`u` at the positive entries and 0
+    elsewhere, and a sum of at most :math:`2^{24}` copies of :math:`u` is exact. Other dtypes, a zero
+    bound or larger tensors count by ``relu(sign(d))``.
+    """
+    dt = diff.dtype
+    b = abs(float(torch.tensor(bound, dtype=dt))) if dt in (torch.float32, torch.float64) else 0.0
+    if b == 0.0 or not math.isfinite(b) or diff.numel() >= 2 ** 24:
+        return diff.sign_().relu_().sum()
+    fin = torch.finfo(dt)
+    u = max(math.ldexp(fin.eps, math.frexp(b)[1] - 2), fin.tiny * fin.eps)
+    return diff.clamp_(0.0, u).sum() / u
+
+
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -103,8 +123,8 @@ def cispo_loss(
         zero = torch.zeros((), dtype=dt, device=z.device)
         # count of z > hi_b; none when the largest ratio is below the bound (with a margin for its rounding)
         none_high = bool(metrics["ratio/max"] < math.exp(hi_b) * (1 - 1e-5))
-        metrics["weight/clipped_high"] = zero if none_high else (z - hi_b).sign_().relu_().sum().to(dt) / n
-        metrics["weight/clipped_low"] = (lo_b - z).sign_().relu_().sum().to(dt) / n if lo_b > -math.inf else zero
+        metrics["weight/clipped_high"] = zero if none_high else _count_positive(z - hi_b, hi_b).to(dt) / n
+        metrics["weight/clipped_low"] = _count_positive(lo_b - z, lo_b).to(dt) / n if lo_b > -math.inf else zero
         metrics["weight/mean"] = r_sum.to(dt) / n
     return LossResult(loss, metrics)
 
