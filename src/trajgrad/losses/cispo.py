@@ -5,6 +5,7 @@ Attention" (arXiv:2506.13585), §3.1.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -26,13 +27,22 @@ def _count_positive(diff: torch.Tensor, bound: float) -> torch.Tensor:
     elsewhere, and a sum of at most :math:`2^{24}` copies of :math:`u` is exact. Other dtypes, a zero
     bound or larger tensors count by ``relu(sign(d))``.
     """
-    dt = diff.dtype
-    b = abs(float(torch.tensor(bound, dtype=dt))) if dt in (torch.float32, torch.float64) else 0.0
-    if b == 0.0 or not math.isfinite(b) or diff.numel() >= 2 ** 24:
+    u = _half_spacing(float(bound), diff.dtype) if diff.numel() < 2 ** 24 else 0.0
+    if u == 0.0:
         return diff.sign_().relu_().sum()
-    fin = torch.finfo(dt)
-    u = max(math.ldexp(fin.eps, math.frexp(b)[1] - 2), fin.tiny * fin.eps)
     return diff.clamp_(0.0, u).sum() / u
+
+
+@functools.lru_cache(maxsize=64)
+def _half_spacing(bound: float, dtype: torch.dtype) -> float:
+    """``u`` of :func:`_count_positive` for ``bound`` rounded to ``dtype`` (0.0: count by sign)."""
+    if dtype not in (torch.float32, torch.float64):
+        return 0.0
+    b = abs(float(torch.tensor(bound, dtype=dtype)))
+    if b == 0.0 or not math.isfinite(b):
+        return 0.0
+    fin = torch.finfo(dtype)
+    return max(math.ldexp(fin.eps, math.frexp(b)[1] - 2), fin.tiny * fin.eps)
 
 
 def cispo_loss(
