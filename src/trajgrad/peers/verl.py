@@ -73,6 +73,18 @@ def grpo_advantage(norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6) 
                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon)
 
 
+def _outcome_layout(rewards: torch.Tensor, lengths: Optional[torch.Tensor]):
+    """Response mask ``[M, L]`` (right padding, ``lengths`` default 3) and ``rewards`` placed at each
+    response's last valid token, as verl's trainer lays out outcome rewards."""
+    M = rewards.shape[0]
+    lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
+    L = int(lengths.max())
+    mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
+    token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
+    token_rewards[torch.arange(M), lengths - 1] = rewards
+    return mask, token_rewards
+
+
 def outcome_advantage(name: str, *, config: Optional[dict] = None, **kwargs) -> Callable:
     """``adv_fn(rewards [M], group_ids [M], lengths=None) -> [M]``: verl's registered advantage estimator
     ``name`` (``get_adv_estimator_fn``) on outcome rewards, each at the last valid token of a response of
@@ -84,16 +96,11 @@ def outcome_advantage(name: str, *, config: Optional[dict] = None, **kwargs) -> 
     fn = get_adv_estimator_fn(name)
 
     def adv_fn(rewards, group_ids, lengths=None):
-        M = rewards.shape[0]
-        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
-        L = int(lengths.max())
-        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
-        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
-        token_rewards[torch.arange(M), lengths - 1] = rewards
+        mask, token_rewards = _outcome_layout(rewards, lengths)
         cfg = AlgoConfig(adv_estimator=name, **(config or {}))
         adv, _ = fn(token_level_rewards=token_rewards, response_mask=mask, index=np.asarray(group_ids.tolist()),
                     config=cfg, **kwargs)
-        first = adv[:, :1].expand(M, L)
+        first = adv[:, :1].expand_as(mask)
         spread = float(torch.where(mask > 0, (adv - first).abs(), torch.zeros((), dtype=adv.dtype)).max())
         if spread > 1e-12:
             raise ValueError(f"{name}: the advantage is not constant along a response (spread {spread:.2e})")
@@ -112,13 +119,9 @@ def gdpo_advantage(components: Callable, weights=None) -> Callable:
 
     def adv_fn(rewards, group_ids, lengths=None):
         M = rewards.shape[0]
-        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
-        L = int(lengths.max())
         comps = components(rewards)
         keys = [f"reward_{k}" for k in range(comps.shape[1])]
-        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
-        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
-        token_rewards[torch.arange(M), lengths - 1] = comps.sum(-1)
+        mask, token_rewards = _outcome_layout(comps.sum(-1), lengths)
         cfg = AlgoConfig(adv_estimator="gdpo", gdpo_reward_keys=keys,
                          gdpo_reward_weights=None if weights is None else list(weights))
         batch = {"prompts": torch.zeros(M, 1, dtype=torch.long),
@@ -137,12 +140,7 @@ def remax_advantage(baseline: Callable) -> Callable:
     from verl.trainer.ppo.core_algos import compute_remax_outcome_advantage
 
     def adv_fn(rewards, group_ids, lengths=None):
-        M = rewards.shape[0]
-        lengths = torch.full((M,), 3, dtype=torch.long) if lengths is None else lengths.long()
-        L = int(lengths.max())
-        mask = (torch.arange(L)[None, :] < lengths[:, None]).to(rewards.dtype)
-        token_rewards = torch.zeros(M, L, dtype=rewards.dtype)
-        token_rewards[torch.arange(M), lengths - 1] = rewards
+        mask, token_rewards = _outcome_layout(rewards, lengths)
         adv, _ = compute_remax_outcome_advantage(token_rewards, baseline(rewards, group_ids), mask)
         return adv[:, 0]
 
