@@ -127,3 +127,54 @@ def test_count_positive_equals_strict_comparison(dtype, bound):
     for diff, want in ((z - bound, (z > b).sum()), (bound - z, (z < b).sum())):
         got = _count_positive(diff.clone(), bound)
         assert got.item() == want.item()
+
+
+def _reference_metrics(logp, old, adv, mask, eps_low, eps_high):
+    valid = mask > 0
+    z = (logp - old).to(D64)[valid]
+    n = z.numel()
+    hi = math.log1p(eps_high)
+    lo = -math.inf if eps_low is None else math.log1p(-eps_low)
+    r_hat = torch.exp(z.clamp(min=lo, max=hi))
+    return {
+        "tokens": float(n), "ratio/mean": torch.exp(z).mean().item(), "ratio/min": torch.exp(z.min()).item(),
+        "ratio/max": torch.exp(z.max()).item(), "kl/k1": (-z).mean().item(), "kl/k3": (torch.expm1(z) - z).mean().item(),
+        "weight/clipped_high": (z > hi).sum().item() / n, "weight/clipped_low": (z < lo).sum().item() / n,
+        "weight/mean": r_hat.mean().item(),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("eps_low", [None, 0.2])
+@pytest.mark.parametrize("quantiles", [False, True])
+@pytest.mark.parametrize("shift", [0.0, 0.05])
+def test_large_batch_metrics_equal_their_definitions(dtype, eps_low, quantiles, shift):
+    # B * L above the interpreter-summarized size: the tensor path, which reuses the check's buffer for
+    # the counts; shift > 0 puts every valid log ratio above 0 (the masked-extremum case)
+    from trajgrad import diagnostics
+
+    g = torch.Generator().manual_seed(5)
+    B, L = 8, 96
+    logp = -torch.rand(B, L, generator=g, dtype=D64) * 3
+    noise = 0.3 * torch.randn(B, L, generator=g, dtype=D64)
+    old = logp - (noise.abs() + shift if shift else noise)
+    adv = torch.randn(B, L, generator=g, dtype=D64)
+    mask = (torch.rand(B, L, generator=g) > 0.3).to(D64)
+    logp, old, adv, mask = (v.to(dtype) for v in (logp, old, adv, mask))
+    with diagnostics.loss_quantiles(quantiles):
+        res, grad = run(logp, old, adv, mask, eps_low=eps_low, eps_high=0.28)
+    ref = _reference_metrics(logp, old, adv, mask, eps_low, 0.28)
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+    for k, v in ref.items():
+        assert res.metrics[k].dtype == dtype
+        assert res.metrics[k].item() == pytest.approx(v, rel=tol, abs=tol), k
+    assert ("log_ratio/q50" in res.metrics) == quantiles
+    if quantiles:
+        pm = diagnostics.policy_metrics(logp - old, adv, mask)
+        assert res.metrics["log_ratio/q50"].item() == pytest.approx(pm["log_ratio/q50"].item(), rel=tol)
+    lo = 0.0 if eps_low is None else 1 - eps_low
+    r_hat = torch.exp((logp - old).to(D64)).clamp(min=lo, max=1.28)
+    expected = -(r_hat * adv.to(D64) * mask.to(D64)) / mask.to(D64).sum()
+    assert torch.allclose(grad.to(D64), expected, rtol=tol, atol=tol * 1e-3)
+    if shift:
+        assert res.metrics["ratio/min"].item() > 1.0

@@ -126,3 +126,4 @@ def test_a_mask_value_near_but_not_0_or_1_raises(name, fn):
     a, _ = run(fn, logp, old, adv, m)
     b, _ = run(fn, logp, old, adv, mask)
     assert torch.equal(a.loss, b.loss)
+

@@ -157,6 +157,12 @@ def loss_quantiles(enabled: bool = True) -> Iterator[None]:
         _LOSS_QUANTILES = previous
 
 
+def _rereads(z: torch.Tensor) -> bool:
+    """Whether the losses' metrics of ``z`` read its values even when given its sums and valid extrema
+    (quantiles asked for by :func:`loss_quantiles`, or a small CPU tensor summarized by the interpreter)."""
+    return _LOSS_QUANTILES or (z.numel() <= _SMALL and z.device.type == "cpu")
+
+
 def _sample_positions(numel: int, device) -> torch.Tensor:
     """A fixed (seeded) sample of ``QUANTILE_POSITIONS`` flat positions of a tensor."""
     key = (numel, str(device))
@@ -183,8 +189,17 @@ def _sampled_quantiles(z: torch.Tensor, maskf: torch.Tensor) -> Optional[torch.T
     return _quantiles(valid) if valid.numel() else None
 
 
+def _masked_extrema(z: torch.Tensor, maskf: torch.Tensor) -> tuple:
+    """``(min, max)`` of ``z`` over the valid slots as Python floats (``(0.0, 0.0)`` when there is none)."""
+    mask = maskf != 0
+    if not bool(mask.any()):
+        return 0.0, 0.0
+    inf = torch.full((), float("inf"), dtype=z.dtype, device=z.device)
+    return tuple(torch.stack([torch.where(mask, z, inf).amin(), torch.where(mask, z, -inf).amax()]).tolist())
+
+
 def _valid_extrema(z: torch.Tensor, maskf: torch.Tensor, n: torch.Tensor):
-    """(min, max) of ``z`` over valid slots; ``z`` is 0 at masked slots.
+    """(min, max) of ``z`` over valid slots as 0-D tensors; ``z`` is 0 at masked slots.
 
     The extrema of the whole tensor are those of the valid entries unless a masked 0 could
     be the extremum (all valid entries on one side of 0): only then is the mask applied.
@@ -195,19 +210,39 @@ def _valid_extrema(z: torch.Tensor, maskf: torch.Tensor, n: torch.Tensor):
     lo, hi = torch.aminmax(z)
     full = int(n.item()) == z.numel()
     if not full and (float(lo) == 0.0 or float(hi) == 0.0):
-        mask = maskf != 0
-        if not bool(mask.any()):
-            zero = torch.zeros((), dtype=z.dtype, device=z.device)
-            return zero, zero
-        inf = torch.full((), float("inf"), dtype=z.dtype, device=z.device)
-        lo = torch.where(mask, z, inf).amin()
-        hi = torch.where(mask, z, -inf).amax()
+        lo, hi = (torch.tensor(v, dtype=z.dtype, device=z.device) for v in _masked_extrema(z, maskf))
     return lo, hi
+
+
+def _valid_extrema_floats(z: torch.Tensor, maskf: torch.Tensor, n: float) -> tuple:
+    """``(min, max)`` of ``z`` (0 at masked slots) over the ``n`` valid slots, as Python floats: those of
+    the whole tensor unless a masked 0 could be the extremum."""
+    if z.numel() == 0:
+        return 0.0, 0.0
+    lo, hi = _floats(torch.aminmax(z))
+    if n != z.numel() and (lo == 0.0 or hi == 0.0):
+        return _masked_extrema(z, maskf.to(z.dtype))
+    return lo, hi
+
+
+def _floats(parts, device: Optional[torch.device] = None) -> list:
+    """Python floats of 0-D tensors (on ``device``, default that of the first): read one by one on the CPU
+    (a read costs less than a stack), in one transfer from an accelerator."""
+    if not parts:
+        return []
+    if (parts[0].device if device is None else device).type == "cpu":
+        return [float(p) for p in parts]
+    return torch.stack([p.detach().reshape(()).to(torch.float64) for p in parts]).tolist()
+
+
+def _exp(v: float) -> float:
+    """``math.exp`` that overflows to ``inf`` as the tensor op does."""
+    return math.exp(v) if v < 709.0 else math.inf
 
 
 def _fast_policy_metrics(
     z: torch.Tensor,
-    adv: torch.Tensor,
+    adv: Optional[torch.Tensor],
     mask: torch.Tensor,
     maskf: torch.Tensor,
     tokens: torch.Tensor,
@@ -219,44 +254,43 @@ def _fast_policy_metrics(
     quantiles: Optional[bool] = None,
     sum_z: Optional[torch.Tensor] = None,
     em1: Optional[torch.Tensor] = None,
+    sum_em1: Optional[torch.Tensor] = None,
+    extrema: Optional[tuple] = None,
+    means: Optional[Dict[str, object]] = None,
 ) -> Dict[str, torch.Tensor]:
     """:func:`policy_metrics` on sanitized inputs: ``z`` and ``adv`` exactly 0 at masked slots.
 
-    ``sum_z`` (optional): the sum of ``z``, when the caller has it (saves a pass).
-    ``em1`` (optional): ``torch.expm1(z)`` in ``z``'s dtype, when the caller has formed it
-    (a loss whose weight is the ratio derives it from this one transcendental pass).
+    ``maskf`` is the 0/1 mask as floats (``mask``, the bool one, is not read), ``tokens`` its sum;
+    ``adv`` is read only for the clip fractions (``lo_b`` given). What the caller has already formed
+    saves a pass: ``sum_z`` (the sum of ``z``), ``em1`` (``torch.expm1(z)`` in ``z``'s dtype; a loss
+    whose weight is the ratio derives it from this one transcendental pass) or ``sum_em1`` (its sum),
+    ``extrema``: ``(min, max)`` of the whole ``z`` as 0-D tensors, or of its valid entries as Python
+    floats (:func:`_valid_extrema_floats`; ``z`` is then not read again unless quantiles are asked
+    for, and the caller may reuse its memory). ``means``: more keys,
+    each given as a sum over the valid tokens (0-D tensor or float) and reported as its mean.
 
-    ``maskf`` is the 0/1 mask as floats (``mask``, the bool one, is not read), ``tokens`` its sum; ``ratio`` (optional) is
-    ``exp(z)`` already computed by the caller. Every statistic is a sum or an extremum
-    (no boolean indexing, no sort of all tokens).
+    Every statistic over ``[B, L]`` is one sum or extremum (no boolean indexing, no sort of all
+    tokens); the scalars are gathered in one transfer and combined by the interpreter in float64
+    (a few dozen operations on 0-D tensors cost more than a pass over the batch), then returned as
+    0-D tensors of ``z``'s dtype.
     """
     with torch.no_grad():
         z = _metric_dtype(z.detach())
-        if z.numel() <= _SMALL and z.device.type == "cpu" and not (_LOSS_QUANTILES if quantiles is None else quantiles):
+        want_q = _LOSS_QUANTILES if quantiles is None else quantiles
+        if z.numel() <= _SMALL and z.device.type == "cpu" and not want_q:
             out = _small_policy_metrics(z, adv, maskf, lo_b, hi_b)
+            if means:
+                d = max(float(out["tokens"]), 1.0)
+                out.update((k, torch.tensor(float(v) / d, dtype=z.dtype)) for k, v in means.items())
             return {prefix + k: v for k, v in out.items()} if prefix else out
-        dt = z.dtype
-        n = tokens.to(dt)
-        d = n.clamp_min(1.0)
-        has = n > 0
-        one = torch.ones((), dtype=dt, device=z.device)
-        zero = torch.zeros((), dtype=dt, device=z.device)
-        # one elementwise pass: e^z - 1 (0 at masked slots, where z = 0) gives both the mean
-        # ratio (sum + N) and k3 = mean(e^z - 1 - z) (sum - sum z)
-        em1 = torch.expm1(z) if em1 is None else em1.detach().to(dt)
-        sum_z = z.sum() if sum_z is None else sum_z.detach().to(dt)
-        sum_em1 = em1.sum()
-        out: Dict[str, torch.Tensor] = {"tokens": n, "ratio/mean": torch.where(has, (sum_em1 + n) / d, one)}
-        mf = maskf.to(dt)
-        zmin, zmax = _valid_extrema(z, mf, n)
-        out["ratio/min"] = torch.where(has, zmin.exp(), one)
-        out["ratio/max"] = torch.where(has, zmax.exp(), one)
-        if _LOSS_QUANTILES if quantiles is None else quantiles:
-            qs = _sampled_quantiles(z, mf)
-            for i, key in enumerate(QUANTILES):
-                out[f"log_ratio/{key}"] = zero.clone() if qs is None else qs[i]
-        out["kl/k1"] = -sum_z / d
-        out["kl/k3"] = (sum_em1 - sum_z).clamp_min(0.0) / d
+        dt, dev = z.dtype, z.device
+        if sum_em1 is None:
+            sum_em1 = (torch.expm1(z) if em1 is None else em1.detach()).sum()
+        parts = [tokens, z.sum() if sum_z is None else sum_z.detach(), sum_em1]
+        if extrema is None:
+            extrema = torch.aminmax(z) if z.numel() else (0.0, 0.0)
+        floats = not isinstance(extrema[0], torch.Tensor)
+        parts += [v for v in extrema if isinstance(v, torch.Tensor)]
         if lo_b is not None:
             # indicators by arithmetic (a comparison kernel costs ~4 multiplies here):
             # relu(sign(x)) is 1 exactly where x > 0, so the strict inequalities hold at the bounds
@@ -265,16 +299,51 @@ def _fast_policy_metrics(
             neg = sgn.neg_().clamp_(min=0.0).reshape(-1)
             high = (z - hi_b).sign_().relu_().reshape(-1)  # masked slots hold z = 0, inside every range
             low = (lo_b - z).sign_().relu_().reshape(-1)
-
-            def frac(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                return torch.dot(a, b) / d
-
-            out["clip_frac/pos_high"] = frac(pos, high)
-            out["clip_frac/pos_low"] = frac(pos, low)
-            out["clip_frac/neg_high"] = frac(neg, high)
-            out["clip_frac/neg_low"] = frac(neg, low)
-            out["clip_frac"] = out["clip_frac/pos_high"] + out["clip_frac/neg_low"]
-            out["ratio/out_of_range_frac"] = (high.sum() + low.sum()) / d
+            parts += [torch.dot(pos, high), torch.dot(pos, low), torch.dot(neg, high), torch.dot(neg, low),
+                      high.sum(), low.sum()]
+        extra = [(k, v) for k, v in (means or {}).items()]
+        parts += [v for _, v in extra if isinstance(v, torch.Tensor)]
+        vals = _floats(parts, dev)
+        n, sz, se = vals[0], vals[1], vals[2]
+        k = 3
+        ext = []
+        for v in extrema:
+            if isinstance(v, torch.Tensor):
+                ext.append(vals[k])
+                k += 1
+            else:
+                ext.append(float(v))
+        zmin, zmax = ext
+        if not floats and n != z.numel() and (zmin == 0.0 or zmax == 0.0):
+            # a masked 0 could be the extremum (every valid entry on one side of 0): apply the mask
+            zmin, zmax = _masked_extrema(z, maskf.to(dt))
+        d = max(n, 1.0)
+        has = n > 0
+        keys = ["tokens", "ratio/mean", "ratio/min", "ratio/max"]
+        values = [n, (se + n) / d if has else 1.0, _exp(zmin) if has else 1.0, _exp(zmax) if has else 1.0]
+        qs = _sampled_quantiles(z, maskf.to(dt)) if want_q else None
+        tail_keys = ["kl/k1", "kl/k3"]
+        tail = [-sz / d, max(se - sz, 0.0) / d]
+        if lo_b is not None:
+            ph, pl, nh, nl, hs, ls = vals[k:k + 6]
+            k += 6
+            tail_keys += ["clip_frac/pos_high", "clip_frac/pos_low", "clip_frac/neg_high", "clip_frac/neg_low",
+                          "clip_frac", "ratio/out_of_range_frac"]
+            tail += [ph / d, pl / d, nh / d, nl / d, ph / d + nl / d, (hs + ls) / d]
+        for key, v in extra:
+            tail_keys.append(key)
+            if isinstance(v, torch.Tensor):
+                tail.append(vals[k] / d)
+                k += 1
+            else:
+                tail.append(float(v) / d)
+        scalars = torch.tensor(values + tail, dtype=dt, device=dev).unbind()
+        out: Dict[str, torch.Tensor] = dict(zip(keys, scalars[:4]))
+        if want_q:
+            zero = torch.zeros((), dtype=dt, device=dev)
+            for i, key in enumerate(QUANTILES):
+                out[f"log_ratio/{key}"] = zero.clone() if qs is None else qs[i]
+        out.update(zip(tail_keys, scalars[4:]))
     if prefix:
         out = {prefix + k: v for k, v in out.items()}
     return out

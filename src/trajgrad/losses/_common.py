@@ -45,13 +45,18 @@ class Inputs:
     """
 
     __slots__ = ("raw_logp", "maskf", "_advantages", "raw_behaviour", "lengths", "tokens", "adv_seq", "finite",
-                 "_mask", "_logp", "_behaviour", "_z", "sums", "rows", "zd")
+                 "_mask", "_logp", "_behaviour", "_z", "sums", "rows", "zd", "raw_advantages", "scratch")
 
     def __init__(self, raw_logp, mask, maskf, advantages, raw_behaviour, lengths, tokens, adv_seq, finite,
-                 logp=None, behaviour=None, sums=None, rows=None, zd=None):
+                 logp=None, behaviour=None, sums=None, rows=None, zd=None, raw_advantages=None, scratch=None):
         self.raw_logp = raw_logp  # [B, L] attached; finite everywhere when ``finite``
         self.maskf = maskf  # [B, L] 0/1 in logp's dtype
-        self._advantages = advantages  # [B, L] detached, exactly 0 at masked slots (None: from adv_seq)
+        # [B, L] detached, exactly 0 at masked slots (None: formed on first use from adv_seq or raw_advantages)
+        self._advantages = advantages
+        # [B, L] detached advantages as given, finite everywhere (the fast path), or None
+        self.raw_advantages = raw_advantages
+        # a [B, L] buffer of logp's dtype that nothing refers to (left by the mask check), or None
+        self.scratch = scratch
         self.raw_behaviour = raw_behaviour  # [B, L] detached or None
         self.lengths = lengths  # [B] valid tokens per row
         self.tokens = tokens  # 0-D valid-token count
@@ -75,8 +80,17 @@ class Inputs:
     def advantages(self) -> torch.Tensor:
         """``[B, L]`` detached advantages, exactly 0 at masked slots."""
         if self._advantages is None:
-            self._advantages = self.adv_seq[:, None] * self.maskf
+            if self.raw_advantages is not None:
+                self._advantages = torch.mul(self.raw_advantages, self.maskf, out=self.take_scratch())
+            else:
+                self._advantages = self.adv_seq[:, None] * self.maskf
         return self._advantages
+
+    def take_scratch(self) -> Optional[torch.Tensor]:
+        """The free ``[B, L]`` buffer (once; None afterwards or when there is none): writing a result
+        into memory that was just read costs less than a fresh allocation."""
+        buf, self.scratch = self.scratch, None
+        return buf
 
     @property
     def mask(self) -> torch.Tensor:
@@ -168,23 +182,26 @@ class SequenceTerm(torch.autograd.Function):
 
 
 def _as_mask(mask, shape, dtype) -> tuple:
-    """``(bool mask or None, float mask, [B] row counts)``; a non-bool mask is checked to be 0/1
-    (see the module docstring); the row counts of the check are the lengths."""
+    """``(bool mask or None, float mask, [B] row counts, scratch)``; a non-bool mask is checked to be 0/1
+    (see the module docstring); the row counts of the check are the lengths; ``scratch`` is the check's
+    ``[B, L]`` buffer (free after it) or None."""
     mask = _checks.as_tensor("mask", mask)
     _checks.check_shape("mask", mask, shape)
     if mask.dtype == torch.bool:
         mf = mask.to(dtype)
-        return mask, mf, mf.sum(-1)
+        return mask, mf, mf.sum(-1), None
     mf = mask.to(dtype)
     lengths = mf.sum(-1)
+    scratch = None
     if _checks.values_checked() and mf.numel():
         # sum_j t_j^2 with t_j = m_j - m_j^2 = m_j(1 - m_j): every term is >= 0 and 0 exactly for m_j in {0, 1},
         # so the sum is 0 iff the mask is 0/1 (no cancellation; NaN and inf make it NaN or inf)
-        t = torch.addcmul(mf, mf, mf, value=-1.0).reshape(-1)
-        if not bool(torch.dot(t, t) == 0):
+        scratch = torch.addcmul(mf, mf, mf, value=-1.0)
+        t = scratch.reshape(-1)
+        if float(torch.dot(t, t)) != 0.0:
             _checks.check_mask("mask", mask)  # raises with the offending value
             raise ValueError("mask: must contain only 0 and 1")
-    return None, mf, lengths
+    return None, mf, lengths, scratch
 
 
 def prepare(
@@ -206,16 +223,17 @@ def prepare(
     ``row_ratio`` (with a behaviour input): make the check of ``logp`` and the behaviour log-probs
     the row sums :math:`\sum_t m_t(\ell_t-\ell^{b}_t)` (:attr:`Inputs.rows`): a difference is finite
     only when both terms are, and a non-finite product with the 0/1 mask makes its row sum non-finite.
-    ``log_ratio_sum`` (with a behaviour input): the same check by the dot product of the difference with
-    the mask, which is the valid sum of the log ratio (``sums["log_ratio"]``); the difference, masked in
-    place, is kept as :attr:`Inputs.zd`.
+    ``log_ratio_sum`` (with a behaviour input): the difference is formed in the mask check's buffer and
+    masked in place (a non-finite value anywhere stays non-finite: :math:`\mathrm{NaN}\cdot0=\infty\cdot0
+    =\mathrm{NaN}`), so its sum is both the check and the valid sum of the log ratio
+    (``sums["log_ratio"]``); it is kept as :attr:`Inputs.zd`.
     """
     _checks.check_choice("aggregation", aggregation, MODES)
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
     shape = tuple(logp.shape)
-    mb, mf, lengths = _as_mask(mask, shape, logp.dtype)
+    mb, mf, lengths, scratch = _as_mask(mask, shape, logp.dtype)
     adv = _checks.as_tensor(advantages_name, advantages).detach()
     _checks.check_ndim(advantages_name, adv, (1, 2))
     _checks.check_floating(advantages_name, adv)
@@ -235,12 +253,15 @@ def prepare(
     with torch.no_grad():
         sums = rows = zd = None
         if log_ratio_sum and beh is not None:
-            zd = logp.detach() - beh
-            sums = {"log_ratio": torch.dot(zd.reshape(-1), mf.reshape(-1))}
-            total = sums["log_ratio"] + adv.sum()
+            # into the mask check's buffer, when there is one; masked in place: a non-finite value anywhere
+            # stays non-finite (NaN * 0 = inf * 0 = NaN), so the sum is the check and the valid sum at once
+            zd = torch.sub(logp.detach(), beh, out=scratch).mul_(mf)
+            scratch = None
+            sums = {"log_ratio": zd.sum()}
+            checks = [sums["log_ratio"], adv.sum()]
         elif row_ratio and beh is not None:
             rows = torch.linalg.vecdot(logp.detach() - beh, mf)
-            total = rows.sum() + adv.sum()
+            checks = [rows.sum(), adv.sum()]
         elif valid_sums:
             # each product is non-finite iff a stored value is (valid or masked slot): the check and the valid sums
             flat_m = mf.reshape(-1)
@@ -248,19 +269,17 @@ def prepare(
                     "advantages": torch.dot(adv, lengths) if adv.ndim == 1 else torch.dot(adv.reshape(-1), flat_m)}
             if beh is not None:
                 sums["behaviour"] = torch.dot(beh.reshape(-1), flat_m)
-            total = sum(sums.values())
+            checks = list(sums.values())
         else:
-            total = logp.detach().sum() + adv.sum()
-            if beh is not None:
-                total = total + beh.sum()
-        finite = bool(torch.isfinite(total))
+            checks = [logp.detach().sum(), adv.sum()] + ([beh.sum()] if beh is not None else [])
+        # each sum read as a Python float (a read costs less than adding 0-D tensors)
+        finite = all(math.isfinite(float(c)) for c in checks)
     if finite:
         tokens = lengths.sum()
-        if zd is not None:
-            zd.mul_(mf)
         if adv.ndim == 1:
             return Inputs(logp, mb, mf, None, beh, lengths, tokens, adv, True, sums=sums, rows=rows, zd=zd)
-        return Inputs(logp, mb, mf, adv * mf, beh, lengths, tokens, None, True, sums=sums, rows=rows, zd=zd)
+        return Inputs(logp, mb, mf, None, beh, lengths, tokens, None, True, sums=sums, rows=rows, zd=zd,
+                      raw_advantages=adv, scratch=scratch)
     mb = mf.bool() if mb is None else mb
     logp_s = _checks.per_token("logp", logp, shape, mb)
     adv_seq = None
@@ -383,20 +402,23 @@ def ratio_metrics(
     prefix: str = "",
     sum_z: Optional[torch.Tensor] = None,
     em1: Optional[torch.Tensor] = None,
+    sum_em1: Optional[torch.Tensor] = None,
+    extrema: Optional[tuple] = None,
+    means: Optional[Dict[str, object]] = None,
 ) -> Dict[str, torch.Tensor]:
     """The :func:`trajgrad.diagnostics.policy_metrics` keys for a sanitized log ratio.
 
-    ``em1`` (optional): ``expm1(z)``, formed by the caller (not modified).
-
-    ``z`` is ``[B, L]``, detached, exactly 0 at masked positions; ``ratio`` (optional)
-    its exponential; ``sum_z`` (optional) its sum, when the caller has it.
-    Clip fractions are added when ``lo_b``/``hi_b`` are given.
+    ``z`` is ``[B, L]``, detached, exactly 0 at masked positions. What the caller has formed saves a
+    pass: ``ratio`` (its exponential), ``sum_z`` (its sum), ``em1`` (``expm1(z)``, not modified) or
+    ``sum_em1`` (the sum of that), ``extrema`` (its min and max). Clip fractions are added when
+    ``lo_b``/``hi_b`` are given; ``means`` adds keys given as valid-token sums, reported as means
+    (see :func:`trajgrad.diagnostics._fast_policy_metrics`).
     """
     from ..diagnostics import _fast_policy_metrics
 
     return _fast_policy_metrics(
-        z, x.advantages, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b, prefix=prefix, sum_z=sum_z,
-        em1=em1,
+        z, x.advantages if lo_b is not None else None, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b,
+        prefix=prefix, sum_z=sum_z, em1=em1, sum_em1=sum_em1, extrema=extrema, means=means,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _log_bound
+from ..diagnostics import _log_bound, _rereads, _valid_extrema_floats
 from ..types import LossResult
 from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
@@ -43,6 +43,16 @@ def _half_spacing(bound: float, dtype: torch.dtype) -> float:
         return 0.0
     fin = torch.finfo(dtype)
     return max(math.ldexp(fin.eps, math.frexp(b)[1] - 2), fin.tiny * fin.eps)
+
+
+def _advantage_factor(x) -> torch.Tensor:
+    """Advantages to multiply a term that is already 0 at masked slots: the finite ones as given
+    (``[B, L]`` or ``[B, 1]``) on the fast path, the sanitized ones otherwise."""
+    if x.finite and x.raw_advantages is not None:
+        return x.raw_advantages
+    if x.adv_seq is not None:
+        return x.adv_seq[:, None]
+    return x.advantages
 
 
 def cispo_loss(
@@ -119,23 +129,25 @@ def cispo_loss(
         # the weight r = 1 + expm1(z), clipped as expm1(z) to [expm1(log(1 - eps_l)), expm1(log(1 + eps_h))]
         # (an overflowing ratio is clipped to the finite upper bound)
         em1 = torch.expm1(z)
-    metrics = ratio_metrics(z, x, em1=em1, sum_z=sum_z)  # reads em1 before it is clipped in place
-    with torch.no_grad():
-        em1c = em1.clamp_(min=math.expm1(lo_b), max=math.expm1(hi_b))
-        # masked slots hold z = 0, expm1 = 0: the valid sum of r_hat is the sum plus the valid count
-        r_sum = em1c.sum() + x.tokens
-        adv = x.advantages  # 0 at masked slots
-        coef = torch.addcmul(adv, em1c, adv)  # A * (1 + clip(expm1 z)) = A * r_hat
+        sum_em1 = em1.sum()
+        extrema = _valid_extrema_floats(z, x.maskf, float(x.tokens))
+        # counts of z > hi_b (none when the largest entry is below the bound, with a margin for its rounding)
+        # and of z < lo_b; the metrics do not read z again (unless _rereads), so the last count may consume
+        # the buffer the input check formed
+        own = z is x.zd and not _rereads(z)
+        high = low = 0.0
+        if extrema[1] > hi_b - 1e-5 * (1.0 + abs(hi_b)):
+            lower = lo_b > -math.inf  # a lower count follows: keep z
+            high = _count_positive(z - hi_b if lower or not own else z.sub_(hi_b), hi_b)
+        if lo_b > -math.inf and extrema[0] < lo_b + 1e-5 * (1.0 + abs(lo_b)):
+            low = _count_positive(z.neg_().add_(lo_b) if own else lo_b - z, lo_b)
+        # masked slots hold z = 0, expm1 = 0: clip(expm1 z) + mask is r_hat at valid slots and 0 elsewhere
+        r_hat = em1.clamp_(min=math.expm1(lo_b), max=math.expm1(hi_b)).add_(x.maskf)
+        r_sum = r_hat.sum()
+        coef = r_hat.mul_(_advantage_factor(x))  # A * r_hat, 0 at masked slots
     loss = linear_in_logp(coef, x, aggregation, weights=w, constant=constant, denominator=denominator)
-    with torch.no_grad():
-        dt = metrics["tokens"].dtype
-        n = metrics["tokens"].clamp_min(1)
-        zero = torch.zeros((), dtype=dt, device=z.device)
-        # count of z > hi_b; none when the largest ratio is below the bound (with a margin for its rounding)
-        none_high = bool(metrics["ratio/max"] < math.exp(hi_b) * (1 - 1e-5))
-        metrics["weight/clipped_high"] = zero if none_high else _count_positive(z - hi_b, hi_b).to(dt) / n
-        metrics["weight/clipped_low"] = _count_positive(lo_b - z, lo_b).to(dt) / n if lo_b > -math.inf else zero
-        metrics["weight/mean"] = r_sum.to(dt) / n
+    metrics = ratio_metrics(z, x, sum_z=sum_z, sum_em1=sum_em1, extrema=extrema,
+                            means={"weight/clipped_high": high, "weight/clipped_low": low, "weight/mean": r_sum})
     return LossResult(loss, metrics)
 
 

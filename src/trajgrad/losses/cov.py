@@ -249,12 +249,15 @@ def kl_cov_loss(
     with torch.no_grad():
         sel_f = _select(cov, _count(x, r), log_ratio.dtype)  # cov = 0 at masked slots: never selected
         zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
-    ratio = torch.exp(torch.clamp(log_ratio, max=zmax))
+    # the ratio formed as 1 + expm1(z): the one transcendental pass also gives the metrics' expm1 (KL k3,
+    # ratio mean); the clamp keeps e^z finite (the metrics then read the clamped value)
+    em1 = torch.expm1(torch.clamp(log_ratio, max=zmax))
+    ratio = em1 + 1.0
     penalty = beta * log_ratio.abs() * sel_f
     term = -(ratio * x.advantages) + penalty
     loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
-    metrics = ratio_metrics(z, x)
+    metrics = ratio_metrics(z, x, em1=em1.detach())
     _cov_metrics(metrics, cov, x, sel_f)
     with torch.no_grad():
         metrics["kl_cov/penalty"] = penalty.detach().sum().to(metrics["tokens"].dtype) / metrics["tokens"].clamp_min(1)
