@@ -263,8 +263,18 @@ class Trajectory:
         return cls(**kwargs)
 
     def to_json(self) -> str:
-        """One line of JSON (no newline inside). Floats round-trip exactly."""
-        return json.dumps(self.to_dict(), default=_json_default, separators=(",", ":"), ensure_ascii=True)
+        """One line of JSON (no newline inside). Floats round-trip exactly.
+
+        The text of ``json.dumps(self.to_dict(), default=_json_default)``: the fields are
+        encoded in place (a copy changes nothing the encoder writes) unless one holds a value
+        JSON does not know (a numpy scalar, a set): then the copy and ``default`` do.
+        """
+        view = _fields_view(self)
+        view["turns"] = [_fields_view(t) for t in self.turns]
+        try:
+            return _ENCODE(view)
+        except TypeError:
+            return json.dumps(self.to_dict(), default=_json_default, separators=(",", ":"), ensure_ascii=True)
 
     @classmethod
     def from_json(cls, line: Union[str, bytes]) -> "Trajectory":
@@ -273,6 +283,18 @@ class Trajectory:
         except json.JSONDecodeError as exc:
             raise ValueError(f"line: not valid JSON ({exc})") from exc
         return cls.from_dict(d)
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode  # no ``default``: TypeError
+_FIELD_NAMES: Dict[type, tuple] = {}
+
+
+def _fields_view(obj) -> Dict[str, Any]:
+    """The dataclass fields as a dict of the objects themselves (no copy)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {n: getattr(obj, n) for n in names}
 
 
 def _fields_copy(obj, given: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
