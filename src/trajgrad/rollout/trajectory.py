@@ -216,32 +216,34 @@ class Trajectory:
         return ids
 
     def _aligned(self, action_value, other) -> List[Any]:
-        """One value per target (``len(token_ids()) - 1``), built turn by turn."""
+        """One value per target (``len(token_ids()) - 1``), built turn by turn: the prompt's
+        targets get ``other(None)``; turn ``k``'s action targets the list ``action_value(k, t)``
+        (one value per action token), its observation targets ``other(k)``."""
         out = [other(None)] * (len(self.prompt_ids) - 1)
         for k, t in enumerate(self.turns):
-            out.extend(action_value(k, t, j) for j in range(len(t.action_ids)))
+            out.extend(action_value(k, t))
             out.extend([other(k)] * len(t.observation_ids))
         return out
 
     def action_mask(self) -> List[int]:
         """1 at targets that are action tokens, 0 at prompt and observation targets."""
-        return self._aligned(lambda k, t, j: 1, lambda k: 0)
+        return self._aligned(lambda k, t: [1] * len(t.action_ids), lambda k: 0)
 
     def behaviour_logp_aligned(self) -> List[float]:
         """The recorded behaviour log-prob at action targets, NaN elsewhere."""
         nan = float("nan")
-        return self._aligned(lambda k, t, j: t.behaviour_logp[j], lambda k: nan)
+        return self._aligned(lambda k, t: t.behaviour_logp, lambda k: nan)
 
     def policy_versions_aligned(self) -> List[int]:
         """The sampling policy version at action targets, ``-1`` elsewhere (§16)."""
-        return self._aligned(lambda k, t, j: t.policy_version, lambda k: NO_VERSION)
+        return self._aligned(lambda k, t: [t.policy_version] * len(t.action_ids), lambda k: NO_VERSION)
 
     def turn_ids_aligned(self) -> List[int]:
         """The index of the turn each target belongs to (its action or observation).
 
         Prompt targets get 0; they are masked, and 0 keeps the ids valid for ``gather``.
         """
-        return self._aligned(lambda k, t, j: k, lambda k: 0 if k is None else k)
+        return self._aligned(lambda k, t: [k] * len(t.action_ids), lambda k: 0 if k is None else k)
 
     def rewards_per_turn(self) -> List[float]:
         return [t.reward for t in self.turns]
