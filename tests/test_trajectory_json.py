@@ -95,3 +95,19 @@ def test_log_bytes_equal_the_copying_formulation(tmp_path):
         log.append(trajs[25])
         log.extend(trajs[26:])
     assert (tmp_path / "t.jsonl").read_bytes() == b"".join(_old(t).encode("ascii") + b"\n" for t in trajs)
+
+
+@pytest.mark.parametrize("values", [[], [0], [1, 2, 3], list(range(300)), [5, -1, 2], [-7], [1, True], [False],
+                                    [1, np.int64(4)], [2.0, 3], [1.5], [1, None], [3, "4"], (1, 2), [10 ** 30, 0]])
+def test_check_int_list_equals_the_per_value_check(values):
+    from trajgrad.rollout.trajectory import _check_int_list
+
+    try:  # a tuple takes the per-value path
+        want = _check_int_list("ids", tuple(values))
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=str(exc).replace("(", r"\(").replace(")", r"\)")):
+            _check_int_list("ids", values)
+        return
+    got = _check_int_list("ids", values)
+    assert got == want and [type(x) for x in got] == [type(x) for x in want]
+    assert got is not values

@@ -34,11 +34,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Unio
 __all__ = ["Turn", "Trajectory", "TrajectoryLog", "read_trajectories"]
 
 NO_VERSION = -1  # policy_versions_aligned() at targets that are not action tokens
+_INT = {int}
 
 
 def _check_int_list(name: str, values: Sequence[int]) -> List[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name}: expected a list of token ids, got {type(values).__name__}")
+    if type(values) is list and (not values or (set(map(type, values)) == _INT and min(values) >= 0)):
+        return list(values)  # plain non-negative ints (what the sampler records): nothing to convert
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):

@@ -81,7 +81,10 @@ def _format6(v: torch.Tensor) -> List[str]:
     out = list(map(_G6, vals))
     for i in flag.nonzero().flatten().tolist():
         s = out[i]
-        out[i] = "0.0" if s == "0" or s == "-0" else json.dumps(_num(vals[i]), allow_nan=False)
+        if s.lstrip("-").isdigit():  # an integer below 1e6: repr appends ".0"
+            out[i] = "0.0" if s == "-0" else s + ".0"
+        else:
+            out[i] = json.dumps(_num(vals[i]), allow_nan=False)
     return out
 
 
