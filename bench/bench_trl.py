@@ -107,11 +107,21 @@ def run_trajgrad(steps: int, warmup: int, workload: str = "tiny") -> dict:
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="bench_trl_trajgrad_"), console=lambda *a: None)
     # inside the update: the forward passes (log-probs with their graph), the optimizer step
     # (gradient clipping included); backward and the rest of the update are what remains
-    inner = {"forward": 0.0, "optimizer": 0.0}
+    from trajgrad.rollout.trajectory import TrajectoryLog
+    from trajgrad.train import tokenlog
+
+    inner = {"forward": 0.0, "optimizer": 0.0, "fsync": 0.0, "tokenlog": 0.0, "trajlog": 0.0}
     _timed(updates, "logprobs", inner, "forward")
     _timed(updates, "finish_step", inner, "optimizer")
+    # the per-token log (tokens.jsonl: recording, formatting, writing) and trajectories.jsonl
+    for cls, name in ((tokenlog.StepRecord, "add"), (tokenlog.StepRecord, "lines"), (tokenlog.TokenLog, "write")):
+        _timed(cls, name, inner, "tokenlog")
+    _timed(TrajectoryLog, "extend", inner, "trajlog")
+    # the logs' durability (trajectories.jsonl, tokens.jsonl: one fsync each per step); a wait on
+    # the disk, which other processes' writes lengthen, not CPU time
+    _timed(os, "fsync", inner, "fsync")
     times, cpu, parts = [], [], {"time/generate": 0.0, "time/logprob_recompute": 0.0, "time/update": 0.0}
-    split = {"forward": 0.0, "optimizer": 0.0}
+    split = {k: 0.0 for k in inner}
     for i in range(steps + warmup):
         t0, c0 = time.perf_counter(), time.process_time()
         before = dict(inner)
@@ -129,6 +139,9 @@ def run_trajgrad(steps: int, warmup: int, workload: str = "tiny") -> dict:
     bd = {k: v / total for k, v in parts.items()}
     bd["update/forward"] = split["forward"] / total
     bd["update/optimizer"] = split["optimizer"] / total
+    bd["fsync"] = split["fsync"] / total
+    bd["update/tokenlog"] = split["tokenlog"] / total
+    bd["trajlog"] = split["trajlog"] / total
     # backward and the per-token log written during the update (tokens.jsonl)
     bd["update/backward_and_rest"] = bd["time/update"] - bd["update/forward"] - bd["update/optimizer"]
     return {"samples_per_s": steps * P * G / total, "seconds": total, "steps": steps, "breakdown": bd,
@@ -201,7 +214,10 @@ def _breakdown(bd: dict) -> str:
     return (f"generation {bd['time/generate']:.0%}, separate log-prob passes {bd['time/logprob_recompute']:.0%}, "
             f"update {bd['time/update']:.0%} (forward {bd['update/forward']:.0%}, backward and the per-token log "
             f"{bd['update/backward_and_rest']:.0%}, optimizer {bd['update/optimizer']:.0%}), the rest (rewards, "
-            f"advantages, collation, trajectory log) {rest:.0%}")
+            f"advantages, collation, trajectory log) {rest:.0%}"
+            + (f"; inside these: the per-token log (tokens.jsonl, in the update) {bd['update/tokenlog']:.1%}, "
+               f"the trajectory log {bd['trajlog']:.1%}, waiting in fsync (both logs) {bd['fsync']:.1%}"
+               if "fsync" in bd else ""))
 
 
 def main() -> None:
@@ -292,7 +308,9 @@ def main() -> None:
                + f"; ratio trajgrad / TRL **{cres['trajgrad'] / cres['trl']:.2f}x** (per round: "
                + ", ".join(f"{t['samples_per_cpu_s'] / r['samples_per_cpu_s']:.2f}x"
                            for t, r in zip(runs["trajgrad"], runs["trl"])) + ")"
-               + (f"; trajgrad / before {cres['trajgrad'] / cres['baseline']:.2f}x" if "baseline" in cres else "")
+               + (f"; trajgrad / before {cres['trajgrad'] / cres['baseline']:.2f}x (per round: "
+                  + ", ".join(f"{t['samples_per_cpu_s'] / b['samples_per_cpu_s']:.2f}x"
+                              for t, b in zip(runs["trajgrad"], runs["baseline"])) + ")" if "baseline" in cres else "")
                + "."]
     if "baseline" in res:
         sp = [t["samples_per_s"] / b["samples_per_s"] for t, b in zip(runs["trajgrad"], runs["baseline"])]

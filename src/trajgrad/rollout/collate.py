@@ -163,34 +163,30 @@ def collate(
         T = -(-T // m) * m
     K = max(len(t.turns) for t in trajectories)
 
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    action_mask = torch.zeros((B, T - 1), dtype=torch.bool)
-    old_logp = torch.full((B, T - 1), float("nan"), dtype=dtype)
-    policy_version = torch.full((B, T - 1), NO_VERSION, dtype=torch.long)
-    turn_ids = torch.zeros((B, T - 1), dtype=torch.long)
-    turn_rewards = torch.zeros((B, K), dtype=dtype)
-    turn_costs = torch.zeros((B, K), dtype=dtype)
-    turn_potentials = torch.zeros((B, K), dtype=dtype)
-    turn_mask = torch.zeros((B, K), dtype=torch.bool)
+    # one tensor per field from right-padded Python lists (one conversion, not one per row)
+    def rows(values, pad, width):
+        return [v + [pad] * (width - len(v)) for v in values]
 
-    for b, (t, seq) in enumerate(zip(trajectories, ids)):
-        n = len(seq)
-        input_ids[b, :n] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[b, :n] = 1
-        # float64 first: the recorded values are Python floats; the cast to ``dtype`` is
-        # then a single rounding (exact when they came from ``dtype`` logits).
-        action_mask[b, : n - 1] = torch.tensor(t.action_mask(), dtype=torch.bool)
-        old_logp[b, : n - 1] = torch.tensor(t.behaviour_logp_aligned(), dtype=torch.float64).to(dtype)
-        policy_version[b, : n - 1] = torch.tensor(t.policy_versions_aligned(), dtype=torch.long)
-        turn_ids[b, : n - 1] = torch.tensor(t.turn_ids_aligned(), dtype=torch.long)
-        k = len(t.turns)
-        turn_rewards[b, :k] = torch.tensor(t.rewards_per_turn(), dtype=torch.float64).to(dtype)
-        turn_costs[b, :k] = torch.tensor([_float_info(x.info, "cost") for x in t.turns], dtype=torch.float64).to(dtype)
-        turn_potentials[b, :k] = torch.tensor(
-            [_float_info(x.info, "potential") for x in t.turns], dtype=torch.float64
-        ).to(dtype)
-        turn_mask[b, :k] = True
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    input_ids = torch.tensor(rows(ids, pad_id, T), dtype=torch.long)
+    attention_mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    action_mask = torch.tensor(rows([t.action_mask() for t in trajectories], 0, T - 1), dtype=torch.bool)
+    # float64 first: the recorded values are Python floats; the cast to ``dtype`` is then a
+    # single rounding (exact when they came from ``dtype`` logits).
+    old_logp = torch.tensor(rows([t.behaviour_logp_aligned() for t in trajectories], float("nan"), T - 1),
+                            dtype=torch.float64).to(dtype)
+    policy_version = torch.tensor(rows([t.policy_versions_aligned() for t in trajectories], NO_VERSION, T - 1),
+                                  dtype=torch.long)
+    turn_ids = torch.tensor(rows([t.turn_ids_aligned() for t in trajectories], 0, T - 1), dtype=torch.long)
+
+    def per_turn(value):
+        return torch.tensor(rows([[value(x) for x in t.turns] for t in trajectories], 0.0, K),
+                            dtype=torch.float64).to(dtype)
+
+    turn_rewards = per_turn(lambda x: x.reward)
+    turn_costs = per_turn(lambda x: _float_info(x.info, "cost"))
+    turn_potentials = per_turn(lambda x: _float_info(x.info, "potential"))
+    turn_mask = torch.arange(K)[None, :] < torch.tensor([len(t.turns) for t in trajectories])[:, None]
 
     group_of: Dict[str, int] = {}
     group_ids = torch.tensor([group_of.setdefault(t.task_id, len(group_of)) for t in trajectories], dtype=torch.long)

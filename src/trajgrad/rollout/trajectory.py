@@ -34,11 +34,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Unio
 __all__ = ["Turn", "Trajectory", "TrajectoryLog", "read_trajectories"]
 
 NO_VERSION = -1  # policy_versions_aligned() at targets that are not action tokens
+_INT = {int}
 
 
 def _check_int_list(name: str, values: Sequence[int]) -> List[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name}: expected a list of token ids, got {type(values).__name__}")
+    if type(values) is list and (not values or (set(map(type, values)) == _INT and min(values) >= 0)):
+        return list(values)  # plain non-negative ints (what the sampler records): nothing to convert
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
@@ -216,32 +219,34 @@ class Trajectory:
         return ids
 
     def _aligned(self, action_value, other) -> List[Any]:
-        """One value per target (``len(token_ids()) - 1``), built turn by turn."""
+        """One value per target (``len(token_ids()) - 1``), built turn by turn: the prompt's
+        targets get ``other(None)``; turn ``k``'s action targets the list ``action_value(k, t)``
+        (one value per action token), its observation targets ``other(k)``."""
         out = [other(None)] * (len(self.prompt_ids) - 1)
         for k, t in enumerate(self.turns):
-            out.extend(action_value(k, t, j) for j in range(len(t.action_ids)))
+            out.extend(action_value(k, t))
             out.extend([other(k)] * len(t.observation_ids))
         return out
 
     def action_mask(self) -> List[int]:
         """1 at targets that are action tokens, 0 at prompt and observation targets."""
-        return self._aligned(lambda k, t, j: 1, lambda k: 0)
+        return self._aligned(lambda k, t: [1] * len(t.action_ids), lambda k: 0)
 
     def behaviour_logp_aligned(self) -> List[float]:
         """The recorded behaviour log-prob at action targets, NaN elsewhere."""
         nan = float("nan")
-        return self._aligned(lambda k, t, j: t.behaviour_logp[j], lambda k: nan)
+        return self._aligned(lambda k, t: t.behaviour_logp, lambda k: nan)
 
     def policy_versions_aligned(self) -> List[int]:
         """The sampling policy version at action targets, ``-1`` elsewhere (§16)."""
-        return self._aligned(lambda k, t, j: t.policy_version, lambda k: NO_VERSION)
+        return self._aligned(lambda k, t: [t.policy_version] * len(t.action_ids), lambda k: NO_VERSION)
 
     def turn_ids_aligned(self) -> List[int]:
         """The index of the turn each target belongs to (its action or observation).
 
         Prompt targets get 0; they are masked, and 0 keeps the ids valid for ``gather``.
         """
-        return self._aligned(lambda k, t, j: k, lambda k: 0 if k is None else k)
+        return self._aligned(lambda k, t: [k] * len(t.action_ids), lambda k: 0 if k is None else k)
 
     def rewards_per_turn(self) -> List[float]:
         return [t.reward for t in self.turns]
@@ -263,8 +268,18 @@ class Trajectory:
         return cls(**kwargs)
 
     def to_json(self) -> str:
-        """One line of JSON (no newline inside). Floats round-trip exactly."""
-        return json.dumps(self.to_dict(), default=_json_default, separators=(",", ":"), ensure_ascii=True)
+        """One line of JSON (no newline inside). Floats round-trip exactly.
+
+        The text of ``json.dumps(self.to_dict(), default=_json_default)``: the fields are
+        encoded in place (a copy changes nothing the encoder writes) unless one holds a value
+        JSON does not know (a numpy scalar, a set): then the copy and ``default`` do.
+        """
+        view = _fields_view(self)
+        view["turns"] = [_fields_view(t) for t in self.turns]
+        try:
+            return _ENCODE(view)
+        except TypeError:
+            return json.dumps(self.to_dict(), default=_json_default, separators=(",", ":"), ensure_ascii=True)
 
     @classmethod
     def from_json(cls, line: Union[str, bytes]) -> "Trajectory":
@@ -273,6 +288,18 @@ class Trajectory:
         except json.JSONDecodeError as exc:
             raise ValueError(f"line: not valid JSON ({exc})") from exc
         return cls.from_dict(d)
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True).encode  # no ``default``: TypeError
+_FIELD_NAMES: Dict[type, tuple] = {}
+
+
+def _fields_view(obj) -> Dict[str, Any]:
+    """The dataclass fields as a dict of the objects themselves (no copy)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {n: getattr(obj, n) for n in names}
 
 
 def _fields_copy(obj, given: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

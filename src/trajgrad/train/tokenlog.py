@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import json
 import math
 import os
@@ -61,8 +62,42 @@ def _num(x: float) -> Optional[float]:
     return float(f"{x:.6g}") + 0.0 if math.isfinite(x) else None  # + 0.0: no "-0.0"
 
 
-def _floats(t: torch.Tensor) -> List[Optional[float]]:
-    return [_num(float(x)) for x in t.detach().to(torch.float64).cpu().tolist()]
+_G6 = "{:.6g}".format
+
+
+def _format6(v: torch.Tensor) -> List[str]:
+    """``json.dumps(_num(x))`` of every value of the 1-D float64 tensor ``v``, batched.
+
+    ``format(x, ".6g")`` is already the shortest ``repr`` of the rounded value for a normal
+    ``x`` (two decimals of <= 15 significant digits are never the same double), except where
+    ``repr`` differs from ``%g``: an integral value ("1" -> "1.0", "-0" -> "0.0"; a value
+    rounds to an integer only if it lies within ``5e-6 |x|`` of one), ``|x| >= 1e6``
+    (positional up to 1e16), non-finite (``null``), subnormal values. Those, flagged below
+    (a superset), take the per-value path.
+    """
+    a = v.abs()
+    flag = ~(a < 1e5) | (a < 2.2250738585072014e-308) | ((a >= 0.5) & ((v - v.round()).abs() <= 1e-5 * a))
+    vals = v.tolist()
+    out = list(map(_G6, vals))
+    for i in flag.nonzero().flatten().tolist():
+        s = out[i]
+        if s.lstrip("-").isdigit():  # an integer below 1e6: repr appends ".0"
+            out[i] = "0.0" if s == "-0" else s + ".0"
+        else:
+            out[i] = json.dumps(_num(vals[i]), allow_nan=False)
+    return out
+
+
+def _row_lists(t: torch.Tensor, mask: torch.Tensor, ends: List[int]) -> List[str]:
+    """The JSON list of each row's values at ``mask`` (rows in order; ``ends``: cumulative counts)."""
+    out = _format6(t.detach().to(torch.float64)[mask].cpu())
+    return ["[" + ",".join(out[s:e]) + "]" for s, e in zip([0] + ends[:-1], ends)]
+
+
+def _row_ints(t: torch.Tensor, mask: torch.Tensor, ends: List[int]) -> List[str]:
+    """``json.dumps([int(x) for x in row])`` of each row's values at ``mask``."""
+    vals = t[mask].tolist()
+    return ["[" + ",".join(map(str, map(int, vals[s:e]))) + "]" for s, e in zip([0] + ends[:-1], ends)]
 
 
 def _lines(path: Path) -> Iterator[tuple]:
@@ -88,6 +123,50 @@ def read_token_log(path) -> List[Dict[str, Any]]:
     return [rec for _, rec in _lines(path) if isinstance(rec, dict)]
 
 
+_INT_KEYS = ("zero_grad", "rc_keep")
+
+
+def token_values(objective, mb, logp: torch.Tensor, entropy: Optional[torch.Tensor], advantages: torch.Tensor,
+                 old_logp: torch.Tensor, behaviour_logp: Optional[torch.Tensor]):
+    """``(mask, {key: [R, T] tensor or None})``: the per-token columns of one micro-batch, keys
+    in the line's order (``entropy``, ``is_weight`` / ``rc_keep`` only when present); the
+    ratio's log-probs and the correction are chosen the way ``policy_loss`` chooses them."""
+    with torch.no_grad():
+        mask = mb.action_mask.bool()
+        lp = logp.detach().double()
+        grad = logp.grad
+        grad = torch.zeros_like(lp) if grad is None else -grad.detach().double()
+        adv = advantages.detach().double()
+        if adv.ndim == 1:
+            adv = adv[:, None].expand_as(lp)
+        rc = objective.rollout_correction
+        bypass = bool(rc) and rc.mode == "bypass"
+        ratio_src = objective.ratio_source
+        if ratio_src == "old" and not bypass:
+            ratio_logp = old_logp
+        elif ratio_src != "none":
+            ratio_logp = behaviour_logp if behaviour_logp is not None else old_logp
+        else:
+            ratio_logp = None
+        ratio = None
+        if ratio_logp is not None:
+            ratio = torch.exp(torch.where(mask, lp - ratio_logp.detach().double(), torch.zeros_like(lp)))
+        corr = None
+        if rc and behaviour_logp is not None:
+            target = lp if bypass else old_logp.detach()
+            corr = rc(behaviour_logp, target, mb.action_mask,
+                      advantages=advantages if rc.seq_mask_delta is not None else None)
+        keep = mask if corr is None else corr.keep.bool()
+        zero = mask & keep & (adv != 0) & (grad == 0)
+        values = {"adv": adv, "logp": lp, "old": old_logp.double(), "ratio": ratio, "grad": grad, "zero_grad": zero}
+        if entropy is not None:
+            values["entropy"] = entropy
+        if corr is not None:
+            values["is_weight"] = corr.weight
+            values["rc_keep"] = corr.keep
+    return mask, values
+
+
 class StepRecord:
     """The per-token values of one policy update, collected micro-batch by micro-batch."""
 
@@ -95,65 +174,34 @@ class StepRecord:
         self.batch = batch
         self.step = int(step)
         self.learner_version = int(learner_version)
-        self.rows: Dict[int, Dict[str, Any]] = {}
+        self.rows: Dict[int, str] = {}  # batch row -> its line, without ``epochs`` and the closing brace
 
     def add(self, objective, mb, idx, logp: torch.Tensor, entropy: Optional[torch.Tensor], advantages: torch.Tensor,
             old_logp: torch.Tensor, behaviour_logp: Optional[torch.Tensor], *, epoch: int) -> None:
         """Record one micro-batch after its backward pass (``logp.grad`` retained).
 
         ``advantages``, ``old_logp``, ``behaviour_logp`` are the micro-batch's tensors exactly as
-        handed to :meth:`Objective.policy_loss`; the ratio's log-probs and the correction are
-        chosen from them the way ``policy_loss`` chooses them.
+        handed to :meth:`Objective.policy_loss` (see :func:`token_values`). Each column is
+        formatted at once (:func:`_format6`), then cut into rows.
         """
-        with torch.no_grad():
-            mask = mb.action_mask.bool()
-            lp = logp.detach().double()
-            grad = logp.grad
-            grad = torch.zeros_like(lp) if grad is None else -grad.detach().double()
-            adv = advantages.detach().double()
-            if adv.ndim == 1:
-                adv = adv[:, None].expand_as(lp)
-            rc = objective.rollout_correction
-            bypass = bool(rc) and rc.mode == "bypass"
-            ratio_src = objective.ratio_source
-            if ratio_src == "old" and not bypass:
-                ratio_logp = old_logp
-            elif ratio_src != "none":
-                ratio_logp = behaviour_logp if behaviour_logp is not None else old_logp
-            else:
-                ratio_logp = None
-            ratio = None
-            if ratio_logp is not None:
-                ratio = torch.exp(torch.where(mask, lp - ratio_logp.detach().double(), torch.zeros_like(lp)))
-            corr = None
-            if rc and behaviour_logp is not None:
-                target = lp if bypass else old_logp.detach()
-                corr = rc(behaviour_logp, target, mb.action_mask,
-                          advantages=advantages if rc.seq_mask_delta is not None else None)
-            keep = mask if corr is None else corr.keep.bool()
-            zero = mask & keep & (adv != 0) & (grad == 0)
-            for r, b in enumerate(idx):
-                m = mask[r]
-                row = {
-                    "step": self.step, "episode_id": self.batch.episode_ids[b], "segment": int(self.batch.segments[b]),
-                    "learner_version": self.learner_version, "epoch": int(epoch), "n": int(m.sum()),
-                    "adv": _floats(adv[r][m]), "logp": _floats(lp[r][m]), "old": _floats(old_logp[r][m].double()),
-                    "ratio": None if ratio is None else _floats(ratio[r][m]), "grad": _floats(grad[r][m]),
-                    "zero_grad": [int(x) for x in zero[r][m].tolist()],
-                }
-                if entropy is not None:
-                    row["entropy"] = _floats(entropy[r][m])
-                if corr is not None:
-                    row["is_weight"] = _floats(corr.weight[r][m])
-                    row["rc_keep"] = [int(x) for x in corr.keep[r][m].tolist()]
-                self.rows[b] = row  # a later epoch replaces an earlier one
+        mask, values = token_values(objective, mb, logp, entropy, advantages, old_logp, behaviour_logp)
+        counts = mask.sum(1).tolist()
+        ends = list(itertools.accumulate(counts))
+        cols = {k: None if v is None else (_row_ints if k in _INT_KEYS else _row_lists)(v, mask, ends)
+                for k, v in values.items()}
+        dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+        for r, b in enumerate(idx):
+            head = {"step": self.step, "episode_id": self.batch.episode_ids[b], "segment": int(self.batch.segments[b]),
+                    "learner_version": self.learner_version, "epoch": int(epoch), "n": int(counts[r])}
+            # the JSON object without its closing brace (``lines`` appends "epochs"); a later
+            # epoch replaces an earlier one
+            self.rows[b] = dumps(head)[:-1] + "".join(
+                f',"{k}":' + ("null" if c is None else c[r]) for k, c in cols.items())
 
     def lines(self, epochs: int) -> List[bytes]:
-        out = []
-        for b in sorted(self.rows):
-            row = dict(self.rows[b], epochs=int(epochs))
-            out.append((json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n").encode())
-        return out
+        """One JSON line per recorded trajectory, in batch order (keys as in the module docstring)."""
+        tail = f',"epochs":{int(epochs)}}}\n'
+        return [(self.rows[b] + tail).encode() for b in sorted(self.rows)]
 
 
 class TokenLog:
