@@ -15,6 +15,13 @@ most one episode at a time; each variant trains for the same wall-clock budget:
 * ``grpo-local``  the existing in-process Trainer loop (batched generation, env steps of
                   the batch one after the other), G = 8; W from the episodes' finish times.
 
+Where the workers' time goes: before Ray starts, one worker alone runs 30 episodes without
+latency (``--solo-episodes``): a turn's generation cost with a core to itself. Each run's
+table then gives, per turn, the generation wall-clock, the CPU time of the workers' episode
+threads and the time those threads waited, runnable, for a core (``worker_timing``,
+trajgrad.train.workers), and each SAO / grouped ratio is printed next to what the barrier
+alone gives with the generation times measured (:func:`barrier_ratio`).
+
 Part 2, reward curves at equal wall-clock on the tiny presets: ``sao-tiny`` (2 workers)
 against ``tiny`` (GRPO, in-process), both starting from the same SFT warm start (done once),
 no environment latency; written with trajgrad.train.plot.plot_compare.
@@ -80,7 +87,11 @@ def _worker_time(run_dir, workers: int, seconds: float, extra=()) -> dict:
     """Where the rollout workers' time went, from the logged trajectories (every finished
     sub-trace, trained or dropped): ``busy`` = sum over episodes of (generation + environment
     time) / (workers x seconds); ``gen_share`` = generation / (generation + environment);
-    mean seconds per turn of each."""
+    mean seconds per turn of each (wall-clock). From each episode's ``worker_timing``
+    (trajgrad.train.workers.episode_timing): the episode thread's CPU seconds per turn
+    (``cpu_per_turn``: generation is nearly all of it), the seconds per turn it was runnable
+    but waited for a CPU (``wait_per_turn``), and the cores the workers used (process CPU,
+    Ray's threads included, over the wall-clock)."""
     from trajgrad.rollout import read_trajectories
 
     path = Path(run_dir) / "trajectories.jsonl"
@@ -88,14 +99,63 @@ def _worker_time(run_dir, workers: int, seconds: float, extra=()) -> dict:
     gen = sum(u.gen_seconds for t in trajs for u in t.turns)
     env = sum(u.env_seconds for t in trajs for u in t.turns)
     turns = sum(len(t.turns) for t in trajs)
+    timed = [t.metadata["worker_timing"] for t in trajs if "worker_timing" in t.metadata]
+    timed_ids = {t.episode_id for t in trajs if "worker_timing" in t.metadata}
+    timed_turns = sum(len(t.turns) for t in trajs if t.episode_id in timed_ids)
+    waits = [w["runqueue_seconds"] for w in timed if w.get("runqueue_seconds") is not None]
+    nan = float("nan")
     return {"busy": (gen + env) / max(workers * seconds, 1e-9), "gen_share": gen / max(gen + env, 1e-9),
-            "gen_per_turn": gen / max(turns, 1), "env_per_turn": env / max(turns, 1)}
+            "gen_per_turn": gen / max(turns, 1), "env_per_turn": env / max(turns, 1),
+            "turns_per_episode": turns / max(len({t.episode_id for t in trajs}), 1),
+            "cpu_per_turn": sum(w["thread_cpu_seconds"] for w in timed) / timed_turns if timed_turns else nan,
+            "wait_per_turn": sum(waits) / timed_turns if timed_turns and len(waits) == len(timed) else nan,
+            "worker_cores": sum(w["process_cpu_seconds"] for w in timed) / max(seconds, 1e-9) if timed else nan}
+
+
+def barrier_ratio(mu: float, sigma: float, turns: int, g_single: float, g_grouped: float, G: int = 8,
+                  n: int = 100_000, seed: int = 0) -> float:
+    r"""The throughput ratio the group barrier alone gives, single rollouts over groups of G.
+
+    An episode of ``turns`` turns takes :math:`T = \sum_{t} (g + e^{Z_t})`, :math:`Z_t \sim
+    N(\mu, \sigma^2)`, with ``g`` the generation seconds per turn measured for each method
+    (``g_single`` for SAO, ``g_grouped`` for grouped GRPO). A worker running single rollouts
+    back to back finishes one every :math:`E[T]`; a group of G on G workers every
+    :math:`E[\max_i T_i]`. The ratio is :math:`E[\max_{i \le G} T_i(g_{grouped})] / E[T(g_{single})]`
+    (n simulated groups): no Ray, learner or update time. With ``g`` = 0 it is the most that
+    removing the barrier gives; the grouped loop's updates and dispatch, during which its
+    workers idle, come on top (a measured ratio above it), CPU contention under the larger
+    throughput of single rollouts below it.
+    """
+    rng = np.random.default_rng(seed)
+    lat = np.exp(rng.normal(mu, sigma, size=(n, G, turns))).sum(-1)
+    return float((lat.max(1) + turns * g_grouped).mean() / (lat.mean() + turns * g_single))
 
 
 def _rows(run_dir):
     from trajgrad.train.metrics import read_metrics
 
     return [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def solo_generation(episodes: int, seed: int) -> dict:
+    """One rollout worker alone, in this process, before Ray starts: the same model, task
+    and sampling as the throughput runs, no environment latency. Its generation seconds per
+    turn are what a turn costs when it has a core to itself (the ``g`` of an idle machine)."""
+    from trajgrad.train.workers import RolloutWorker
+
+    cfg = _throughput_config("sao", 1, 0.0, 0.0, seed)
+    data = cfg.model_dump()
+    data["asynchronous"]["env_latency"] = None
+    w = RolloutWorker(data, 0, None, torch_threads=1)
+    tasks = w.source.tasks("train", episodes + 3, seed)
+    for k in range(3):  # warm-up
+        w.episode(f"w{k}", tasks[k], k)
+    trajs = [t for k in range(3, episodes + 3) for t in w.episode(f"s{k}", tasks[k], k)["trajectories"]]
+    turns = [u for t in trajs for u in t.turns]
+    timed = [t.metadata["worker_timing"] for t in trajs if "worker_timing" in t.metadata]
+    return {"episodes": episodes, "turns": len(turns), "tokens_per_turn": sum(len(u.action_ids) for u in turns) / len(turns),
+            "gen_per_turn": sum(u.gen_seconds for u in turns) / len(turns),
+            "cpu_per_turn": sum(x["thread_cpu_seconds"] for x in timed) / len(turns)}
 
 
 def run_sao(kind, workers, mu, sigma, seconds, seed, root):
@@ -260,7 +320,7 @@ def _machine_load() -> str:
         return "load average unavailable"
 
 
-def write_report(path, args, rows, curves, loads, cmd):
+def write_report(path, args, rows, curves, loads, cmd, solo=None):
     import ray
     import torch
 
@@ -286,12 +346,18 @@ def write_report(path, args, rows, curves, loads, cmd):
         "executing at most one episode at a time; `episodes in flight` is the number submitted and not finished "
         "(SAO: `asynchronous.queue_size`; a second episode queued on an actor starts when the first ends).",
     ]
+    if solo is not None:
+        lines += ["", f"One worker alone (in the benchmark's process before Ray starts, no latency, {solo['episodes']} "
+                      f"episodes, {solo['tokens_per_turn']:.1f} tokens per turn): **{solo['gen_per_turn']:.3f} s of "
+                      f"generation per turn** ({solo['cpu_per_turn']:.3f} s CPU): the cost of a turn with a core to "
+                      "itself, against the `generation s/turn` of the runs below."]
     header = [
         "",
         "| variant | workers | episodes in flight | updates | trajectories | trajectories/s | trained/s | mean lag | "
         "max lag | dropped (lag) | W per rollout (s) | W per update (s) | learner idle | worker busy | "
-        "generation share | generation s/turn | env s/turn |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "generation share | generation s/turn | env s/turn | worker CPU s/turn | CPU wait s/turn | worker cores |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
     settings = []
     for r in rows:
@@ -310,14 +376,22 @@ def write_report(path, args, rows, curves, loads, cmd):
                 f"{r['traj_per_s']:.2f} | {r['trained_per_s']:.2f} | {r['lag_mean']:.2f} | {r['lag_max']:.0f} | "
                 f"{r['dropped_lag']} | {r['W_per_rollout']:.3f} | {r['W_per_update']:.3f} | {idle} | "
                 f"{r.get('busy', float('nan')):.0%} | {r.get('gen_share', float('nan')):.0%} | "
-                f"{r.get('gen_per_turn', float('nan')):.3f} | {r.get('env_per_turn', float('nan')):.3f} |")
+                f"{r.get('gen_per_turn', float('nan')):.3f} | {r.get('env_per_turn', float('nan')):.3f} | "
+                f"{r.get('cpu_per_turn', float('nan')):.3f} | {r.get('wait_per_turn', float('nan')):.3f} | "
+                f"{r.get('worker_cores', float('nan')):.2f} |")
         by = {r["variant"]: r for r in sub}
         if "sao" in by and "grpo-ray" in by:
             ratio = by["sao"]["traj_per_s"] / max(by["grpo-ray"]["traj_per_s"], 1e-9)
             ok = ratio >= 2.0 and by["sao"]["lag_mean"] <= 2.0
+            turns = max(1, round(by["sao"].get("turns_per_episode", 3)))
+            bound = barrier_ratio(mu, sigma, turns, by["sao"]["gen_per_turn"], by["grpo-ray"]["gen_per_turn"])
+            bound0 = barrier_ratio(mu, sigma, turns, 0.0, 0.0)
             lines += ["", f"SAO / grouped GRPO on the same Ray workers: **{ratio:.2f}x** trajectories per second at "
                           f"mean policy lag {by['sao']['lag_mean']:.2f} versions. Target (>= 2x at mean lag <= 2): "
-                          f"**{'met' if ok else 'missed'}**."]
+                          f"**{'met' if ok else 'missed'}**. The barrier alone (`barrier_ratio`, {turns} turns, simulated "
+                          f"with the generation seconds per turn measured here, {by['sao']['gen_per_turn']:.3f} SAO and "
+                          f"{by['grpo-ray']['gen_per_turn']:.3f} grouped) gives {bound:.2f}x; with free generation "
+                          f"{bound0:.2f}x."]
         if "sao" in by and "grpo-local" in by:
             ratio = by["sao"]["traj_per_s"] / max(by["grpo-local"]["traj_per_s"], 1e-9)
             lines += ["", f"SAO / the in-process synchronous Trainer loop: {ratio:.2f}x trajectories per second."]
@@ -331,7 +405,10 @@ def write_report(path, args, rows, curves, loads, cmd):
         "environment time over workers x wall-clock (what is missing: Ray calls, weight loading, episodes still in "
         "flight at the end, and for grouped GRPO the barrier and the update, during which workers wait); "
         "`generation share` is generation / (generation + environment): near 100% the setting is bound by the "
-        "CPU, not by the latency.",
+        "CPU, not by the latency. `worker CPU s/turn` is the CPU time of a worker's episode thread per turn "
+        "(generation nearly all of it), `CPU wait s/turn` the time per turn that thread was runnable but waited for "
+        "a core (Linux schedstat): generation wall-clock is about their sum, so a wait far above the CPU time means "
+        "the cores are oversubscribed. `worker cores`: the workers' process CPU time over the wall-clock.",
     ]
     if curves is not None:
         g, s = curves["grpo"], curves["sao"]
@@ -373,6 +450,9 @@ def main(argv=None):
     p.add_argument("--curve-seconds", type=float, default=120.0)
     p.add_argument("--sft-steps", type=int, default=None, help="override the presets' SFT steps (quick checks)")
     p.add_argument("--notes", default=None, help="a text file appended to the report")
+    p.add_argument("--solo-episodes", type=int, default=30,
+                   help="episodes of one worker alone (no latency, before Ray starts) for the idle-machine cost of a "
+                   "turn; 0 skips it")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
     settings = []
@@ -389,6 +469,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench_async_"))
     loads = [f"start {_machine_load()}"]
+    solo = solo_generation(args.solo_episodes, args.seed) if args.solo_episodes > 0 else None
+    if solo is not None:
+        print(json.dumps({"solo": solo}), flush=True)
     ray.init(num_cpus=max(args.workers + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     rows = []
     curves = None
@@ -417,7 +500,7 @@ def main(argv=None):
     finally:
         ray.shutdown()
     cmd = ".venv/bin/python bench/bench_async.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(out / "async.md", args, rows, curves, loads, cmd.strip())
+    write_report(out / "async.md", args, rows, curves, loads, cmd.strip(), solo)
     print(f"wrote {out / 'async.md'}")
     shutil.rmtree(root, ignore_errors=True)
 

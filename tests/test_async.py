@@ -283,6 +283,46 @@ def _config(steps: int, *, recipe: str = "sao", **over):
     return build_config(data)
 
 
+def test_thread_schedstat_reads_this_threads_cpu_time():
+    from trajgrad.train.workers import thread_schedstat
+
+    first = thread_schedstat()
+    if first is None:
+        pytest.skip("no /proc/thread-self/schedstat on this system")
+    x = 0
+    for i in range(200_000):  # some CPU time of this thread
+        x += i
+    cpu, wait = thread_schedstat()
+    thread = time.thread_time()
+    assert cpu > first[0] and wait >= first[1] >= 0
+    # the first field is the kernel's CPU time of this thread, the clock thread_time() reads
+    assert abs(cpu - thread) < 0.05
+
+
+def test_worker_records_where_its_episode_time_went():
+    """Every episode's first sub-trace carries the worker's timing: CPU time never exceeds
+    the wall-clock minus the environment's sleeps (a sleeping thread uses none)."""
+    from trajgrad.train.workers import RolloutWorker
+
+    cfg = _config(1)
+    w = RolloutWorker(cfg.model_dump(), 0, None, torch_threads=1)
+    task = w.source.tasks("train", 1, 0)[0]
+    res = w.episode("k0", task, 0)
+    trajs = res["trajectories"]
+    assert len(trajs) == 2  # compaction after the second guess: two sub-traces
+    assert "worker_timing" in trajs[0].metadata and "worker_timing" not in trajs[1].metadata
+    tm = trajs[0].metadata["worker_timing"]
+    turns = [u for t in trajs for u in t.turns]
+    slept = sum(u.info["latency_seconds"] for u in turns)
+    assert slept >= 0.12 * len(turns) - 1e-6
+    assert tm["seconds"] == res["seconds"] >= sum(u.gen_seconds + u.env_seconds for u in turns)
+    assert 0 < tm["thread_cpu_seconds"] <= tm["seconds"] - slept + 0.01
+    assert tm["thread_cpu_seconds"] <= tm["process_cpu_seconds"] + 0.01
+    assert tm["runqueue_seconds"] is None or 0 <= tm["runqueue_seconds"] <= tm["seconds"] - slept + 0.01
+    assert tm["syncs"] == 0 and tm["sync_seconds"] == 0.0  # no store: no weight checks
+    json.dumps(tm, allow_nan=False)  # the trajectory log can hold it
+
+
 def test_async_trainer_rejects_group_recipes(tmp_path):
     with pytest.raises(ValueError, match="recipe"):
         AsyncTrainer(_config(1, recipe="grpo"), tmp_path / "r", console=lambda *a: None)

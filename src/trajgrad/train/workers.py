@@ -6,6 +6,14 @@
   (an interrupted episode continues under the new policy, each turn keeping its version, §16).
 * :class:`RolloutPool`: ``workers`` actors, their outstanding episodes (:class:`Job`), and
   the replacement of a dead actor (its episodes come back as ``"lost"``).
+
+Each worker runs torch with ``torch_threads`` intra-op threads (1 in the Ray learners:
+``workers`` processes share the machine's cores, and a tiny model gains nothing from more).
+Every episode records where its worker's time went in the first sub-trace's
+``metadata["worker_timing"]`` (:func:`episode_timing`): wall-clock, the worker's CPU time
+(its episode thread and the whole process), the time that thread was runnable but waited
+for a CPU (Linux), and the weight checks. A turn's ``gen_seconds`` is wall-clock; on an
+oversubscribed machine most of it is that wait, not generation.
 """
 from __future__ import annotations
 
@@ -21,7 +29,46 @@ from .config import build_config
 from .seeding import step_seed as _step_seed
 from .weight_store import load_trainable_state
 
-__all__ = ["RolloutWorker", "RolloutPool", "Job"]
+__all__ = ["RolloutWorker", "RolloutPool", "Job", "ClockReading", "thread_schedstat", "episode_timing"]
+
+
+def thread_schedstat() -> Optional[Tuple[float, float]]:
+    """``(cpu_seconds, runqueue_seconds)`` of the calling thread so far: the time it ran on a
+    CPU and the time it was runnable but waited for one (``/proc/thread-self/schedstat``,
+    nanoseconds); ``None`` where the kernel does not provide it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+class ClockReading:
+    """Wall-clock, process CPU, thread CPU and run-queue wait at one instant."""
+
+    def __init__(self):
+        self.wall = time.perf_counter()
+        self.process = time.process_time()
+        self.thread = time.thread_time()
+        self.sched = thread_schedstat()
+
+
+def episode_timing(start: "ClockReading", end: "ClockReading", sync_seconds: float, syncs: int) -> Dict[str, Any]:
+    """Where a worker's time went between two :class:`ClockReading` readings on its episode thread.
+
+    ``seconds`` wall-clock; ``thread_cpu_seconds`` the CPU time of that thread (generation,
+    tokenization, the environment's own work); ``process_cpu_seconds`` the whole worker
+    process's (Ray's threads included); ``runqueue_seconds`` how long the thread was
+    runnable but waiting for a CPU (``None`` where unknown); ``sync_seconds`` / ``syncs`` the
+    weight checks before the turns (wall-clock, loading included).
+    """
+    wait = None
+    if start.sched is not None and end.sched is not None:
+        wait = end.sched[1] - start.sched[1]
+    return {"seconds": end.wall - start.wall, "thread_cpu_seconds": end.thread - start.thread,
+            "process_cpu_seconds": end.process - start.process, "runqueue_seconds": wait,
+            "sync_seconds": float(sync_seconds), "syncs": int(syncs)}
 
 
 class RolloutWorker:
@@ -85,17 +132,21 @@ class RolloutWorker:
         """Run one episode; returns its sub-traces and timings.
 
         Newer weights are loaded before every turn (``HFSampler.rollout(before_turn=...)``).
+        The first sub-trace carries ``metadata["worker_timing"]`` (:func:`episode_timing`).
         """
-        t0 = time.perf_counter()
+        start = ClockReading()
         syncs0, sync_s0 = self.syncs, self.sync_seconds
         trajs = self.sampler.rollout(self.source, [task], group_size=1, seed=int(seed),
                                      before_turn=lambda turn: self._sync(key, turn))
         if self.store is not None:
             self.store.finished.remote(self.index, key)  # ordered before this worker's next call
+        timing = episode_timing(start, ClockReading(), self.sync_seconds - sync_s0, self.syncs - syncs0)
         for t in trajs:
             t.metadata["worker"] = self.index
-        return {"key": key, "trajectories": trajs, "worker": self.index, "seconds": time.perf_counter() - t0,
-                "syncs": self.syncs - syncs0, "sync_seconds": self.sync_seconds - sync_s0}
+        if trajs:
+            trajs[0].metadata["worker_timing"] = timing
+        return {"key": key, "trajectories": trajs, "worker": self.index, "seconds": timing["seconds"],
+                "syncs": timing["syncs"], "sync_seconds": timing["sync_seconds"]}
 
 
 @dataclass
