@@ -315,3 +315,37 @@ def test_closed_form_path_float32_matches_float64():
     assert r32.loss.dtype == torch.float32 and lp.grad.dtype == torch.float32
     assert r32.loss.item() == pytest.approx(r64.loss.item(), rel=1e-5)
     assert torch.allclose(lp.grad.double(), g64, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_metrics_from_the_loss_lists_equal_the_tensor_path(dtype, empty_row):
+    # gspo_loss reports the metrics from the per-sequence numbers its loss loop read; the same keys and values
+    # as diagnostics' path over the [B, 1] log s (which it takes when quantiles are asked for)
+    from trajgrad import diagnostics
+    from trajgrad.diagnostics import _fast_policy_metrics
+
+    g = torch.Generator().manual_seed(11)
+    B, L = 12, 9
+    logp = (-torch.rand(B, L, generator=g, dtype=torch.float64) * 2).to(dtype)
+    old = logp + (3e-3 * torch.randn(B, L, generator=g, dtype=torch.float64)).to(dtype)
+    adv = torch.randn(B, generator=g, dtype=torch.float64).to(dtype)
+    adv[3] = 0.0
+    mask = (torch.rand(B, L, generator=g) > 0.2).to(dtype)
+    if empty_row:
+        mask[5] = 0
+    res = gspo_loss(logp.clone().requires_grad_(True), old, adv, mask)
+    lengths = mask.sum(-1)
+    log_s = ((logp - old) * mask).sum(-1) / lengths.clamp_min(1)
+    seq_adv = adv * (lengths > 0).to(dtype)
+    nonempty = (lengths > 0)[:, None]
+    nf = nonempty.to(dtype)
+    with diagnostics.loss_quantiles(False):
+        ref = _fast_policy_metrics(log_s[:, None], seq_adv[:, None], nonempty, nf, nf.sum(), lo_b=math.log1p(-3e-4),
+                                   hi_b=math.log1p(4e-4), quantiles=False)
+    ref["sequences"] = ref.pop("tokens")
+    assert set(res.metrics) == set(ref) | {"tokens"}
+    for k, v in ref.items():
+        assert res.metrics[k].dtype == dtype
+        assert res.metrics[k].item() == pytest.approx(v.item(), rel=1e-6 if dtype == torch.float32 else 1e-12), k
+    assert res.metrics["clip_frac"].item() > 0  # the clip fractions are exercised

@@ -21,6 +21,7 @@ Every function here returns *detached* tensors and never a silent NaN.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from typing import Dict, Iterator, Optional
 
@@ -155,6 +156,11 @@ def loss_quantiles(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _LOSS_QUANTILES = previous
+
+
+def loss_quantiles_enabled() -> bool:
+    """Whether the policy losses' metrics report log-ratio quantiles now (:func:`loss_quantiles`)."""
+    return _LOSS_QUANTILES
 
 
 def _rereads(z: torch.Tensor) -> bool:
@@ -357,38 +363,44 @@ _SMALL = 256
 
 def _small_policy_metrics(z: torch.Tensor, adv: torch.Tensor, maskf: torch.Tensor, lo_b, hi_b) -> Dict[str, torch.Tensor]:
     """The keys and formulas of :func:`_fast_policy_metrics` for a small CPU ``z`` (0 at masked slots)."""
-    dt = z.dtype
-    zs, ms = z.reshape(-1).tolist(), maskf.reshape(-1).tolist()
-    valid = [v for v, m in zip(zs, ms) if m != 0]
+    advs = adv.reshape(-1).tolist() if lo_b is not None else None
+    return list_policy_metrics(z.reshape(-1).tolist(), maskf.reshape(-1).tolist(), advs, lo_b, hi_b, z.dtype,
+                               z.device)
+
+
+def list_policy_metrics(zs, ms, advs, lo_b, hi_b, dtype, device) -> Dict[str, torch.Tensor]:
+    """:func:`_small_policy_metrics` on Python lists a caller already holds (``zs`` log ratios, 0 where ``ms``
+    is 0; ``advs`` read only with ``lo_b``), in float64, returned as 0-D tensors of ``dtype``."""
+    dt = dtype
+    valid = list(itertools.compress(zs, ms))
     n = float(len(valid))
     d = max(n, 1.0)
     sum_z = math.fsum(valid)
-    sum_em1 = math.fsum(math.expm1(v) if v < 709.0 else math.inf for v in valid)
+    try:
+        sum_em1 = math.fsum(map(math.expm1, valid))
+    except OverflowError:  # e^z beyond the largest double
+        sum_em1 = math.inf
     has = n > 0
     keys = ["tokens", "ratio/mean", "ratio/min", "ratio/max", "kl/k1", "kl/k3"]
-    def exp(v: float) -> float:
-        return math.exp(v) if v < 709.0 else math.inf
-
-    vals = [n, (sum_em1 + n) / d if has else 1.0, exp(min(valid)) if has else 1.0, exp(max(valid)) if has else 1.0,
+    vals = [n, (sum_em1 + n) / d if has else 1.0, _exp(min(valid)) if has else 1.0, _exp(max(valid)) if has else 1.0,
             -sum_z / d, max(sum_em1 - sum_z, 0.0) / d]
     if lo_b is not None:
-        advs = adv.reshape(-1).tolist()
         ph = pl = nh = nl = 0
-        high = low = 0
-        for v, a in zip(zs, advs):  # masked slots: z = 0 inside every range, A = 0
-            h, lo = v > hi_b, v < lo_b
-            high += h
-            low += lo
+        # only the entries outside the range count (masked slots: z = 0 inside every range, A = 0)
+        outside = [(v > hi_b, a) for v, a in zip(zs, advs) if v > hi_b or v < lo_b]
+        for h, a in outside:
             if a > 0:
                 ph += h
-                pl += lo
+                pl += not h
             elif a < 0:
                 nh += h
-                nl += lo
+                nl += not h
+        high = sum(h for h, _ in outside)
+        low = len(outside) - high
         keys += ["clip_frac/pos_high", "clip_frac/pos_low", "clip_frac/neg_high", "clip_frac/neg_low", "clip_frac",
                  "ratio/out_of_range_frac"]
         vals += [ph / d, pl / d, nh / d, nl / d, (ph + nl) / d, (high + low) / d]
-    return dict(zip(keys, torch.tensor(vals, dtype=dt, device=z.device).unbind()))
+    return dict(zip(keys, torch.tensor(vals, dtype=dt, device=device).unbind()))
 
 
 def _valid_pair(returns, values, mask):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _fast_policy_metrics
+from ..diagnostics import _fast_policy_metrics, list_policy_metrics, loss_quantiles_enabled
 from ..types import LossResult
 from ._common import (
     SequenceTerm, _count, aggregate_sequences, aggregate_tokens, check_aggregation, prepare, ratio_metrics,
@@ -87,8 +87,9 @@ def gspo_loss(
     seq_adv = sequence_advantages(x)  # [B], 0 on empty rows
     w = token_weights(weights, x)
     attached_d = isinstance(denominator, torch.Tensor) and denominator.requires_grad
+    lists = None
     if w is None and not attached_d:
-        loss, log_s = _sequence_loss(x, seq_adv, lo_b, hi_b, aggregation, constant, denominator)
+        loss, log_s, lists = _sequence_loss(x, seq_adv, lo_b, hi_b, aggregation, constant, denominator)
     else:
         log_s = x.row_log_ratio() / x.lengths.clamp_min(1)  # [B], attached; 0 on empty rows
         j = _clipped_surrogate(log_s, seq_adv, eps_low, eps_high, lo_b, hi_b)  # 0 on empty rows
@@ -96,12 +97,18 @@ def gspo_loss(
             loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
         else:  # the response term spread over its tokens, each weighted
             loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
-    with torch.no_grad():
-        nonempty = (x.lengths > 0)[:, None]
-        nf = nonempty.to(x.lengths.dtype)
-        metrics = _fast_policy_metrics(
-            log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum(), lo_b=lo_b, hi_b=hi_b
-        )
+    if lists is not None and not loss_quantiles_enabled():
+        # the per-sequence values the loss read as Python numbers: the same metrics without reading them again
+        ls, ns, advs = lists
+        metrics = list_policy_metrics(ls, [1.0 if n > 0 else 0.0 for n in ns], advs, lo_b, hi_b, log_s.dtype,
+                                      log_s.device)
+    else:
+        with torch.no_grad():
+            nonempty = (x.lengths > 0)[:, None]
+            nf = nonempty.to(x.lengths.dtype)
+            metrics = _fast_policy_metrics(
+                log_s.detach()[:, None], seq_adv[:, None], nonempty, nf, nf.sum(), lo_b=lo_b, hi_b=hi_b
+            )
     metrics["sequences"] = metrics.pop("tokens")
     metrics["tokens"] = x.tokens.detach().to(metrics["sequences"].dtype)
     return LossResult(loss, metrics)
@@ -150,7 +157,7 @@ def _sequence_loss(x, seq_adv, lo_b, hi_b, mode, constant, denominator):
         dt, dev = x.raw_logp.dtype, x.raw_logp.device
         value = torch.tensor(-total / d, dtype=dt, device=dev)
         coef = torch.tensor(coefs, dtype=dt, device=dev)
-    return SequenceTerm.apply(x.raw_logp, value, coef, x.maskf), log_s
+    return SequenceTerm.apply(x.raw_logp, value, coef, x.maskf), log_s, (ls, ns, advs)
 
 
 def gspo_token_loss(
