@@ -83,9 +83,7 @@ def _read_wandb(run_dir) -> list:
 
 
 def _read_mlflow(run_dir, project) -> list:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=(run_dir.resolve() / "mlruns").as_uri())
+    client = tracking.mlflow_client(run_dir)
     exp = client.get_experiment_by_name(project)
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
@@ -217,8 +215,6 @@ def test_trackers_are_finished_at_exit_without_close(tmp_path):
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    client = tracking.mlflow_client(tmp_path)
     (run,) = client.search_runs([client.get_experiment_by_name("atexit").experiment_id])
     assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 0.5, "wall_time": run.data.metrics["wall_time"]}

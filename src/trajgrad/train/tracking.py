@@ -7,7 +7,8 @@ named in ``log.backends``. Nothing leaves the machine:
 * ``wandb``: an offline run (``mode="offline"``, ``WANDB_MODE=offline``) under
   ``run_dir/wandb``; ``wandb sync run_dir/wandb/offline-run-*`` uploads it later if wanted.
 * ``mlflow``: a local file store ``run_dir/mlruns`` (``MLFLOW_ALLOW_FILE_STORE=true``, the
-  opt-in MLflow 3 asks for; browse with ``mlflow ui --backend-store-uri run_dir/mlruns``).
+  opt-in MLflow 3 asks for; read it with :func:`mlflow_client` or browse with
+  ``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri run_dir/mlruns``).
 * ``trackio``: its local database ``<TRACKIO_DIR>/<project>.db``. trackio reads
   ``TRACKIO_DIR`` once, at import: unless it is set, the first run of the process sets it
   to ``run_dir/trackio`` (browse with ``TRACKIO_DIR=run_dir/trackio trackio show``).
@@ -26,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["Sink", "WandbSink", "MLflowSink", "TrackioSink", "SINKS", "PACKAGES", "missing_backends",
+__all__ = ["Sink", "WandbSink", "MLflowSink", "mlflow_client", "TrackioSink", "SINKS", "PACKAGES", "missing_backends",
            "build_sinks"]
 
 # backend name -> the package that provides it (jsonl and tensorboard are built in)
@@ -113,6 +114,17 @@ class WandbSink(Sink):
             wandb.teardown()
 
 
+def mlflow_client(run_dir):
+    """An ``MlflowClient`` on the local file store ``run_dir/mlruns`` (for writing or reading a run).
+
+    MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE=true``; this sets that opt-in
+    (unless the environment already sets it) before the client is made."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=(Path(run_dir).resolve() / "mlruns").as_uri())
+
+
 class MLflowSink(Sink):
     """An MLflow run in the local file store ``run_dir/mlruns``."""
 
@@ -120,12 +132,7 @@ class MLflowSink(Sink):
 
     def __init__(self, run_dir, *, project: str, run_name: str, config: Optional[dict] = None):
         super().__init__()
-        # the local file store: MLflow 3 asks for this opt-in (it recommends a database store)
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.tracking import MlflowClient
-
-        self.uri = (Path(run_dir).resolve() / "mlruns").as_uri()
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = mlflow_client(run_dir)
         exp = self.client.get_experiment_by_name(project)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project)
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
