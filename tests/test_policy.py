@@ -22,7 +22,12 @@ def tok():
 
 def _batch(B=4, T=40, P=20, seed=0, groups=1):
     """Rows share their first ``P`` tokens (``groups=2``: rows 0-1 and rows 2-3 share a
-    prefix of ``P`` and ``P + 4`` tokens, and all rows their first 6)."""
+    prefix of ``P`` and ``P + 4`` tokens, and all rows their first 6; ``"interleaved"``: the
+    same rows in the order 0, 2, 1, 3, so that the groups are not consecutive blocks)."""
+    if groups == "interleaved":
+        order = [0, 2, 1, 3]
+        ids, am, act = _batch(B, T, P, seed, groups=2)
+        return ids[order], am[order], act[order]
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 90, (B, T), generator=g)
     if groups == 1:
@@ -97,7 +102,7 @@ def test_prefix_groups_saves_the_most_and_groups_equal_prefixes(B, T, vocab, see
     assert len({tuple(ids[r, : g.length].tolist()) for r in g.rows}) == g.rows.numel()  # groups are distinct
 
 
-@pytest.mark.parametrize("groups", [1, 2], ids=["one-prefix", "two-groups"])
+@pytest.mark.parametrize("groups", [1, 2, "interleaved"], ids=["one-prefix", "two-groups", "two-groups-interleaved"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn, groups):
     model = build_tiny_model(tok, hidden_size=32, layers=2, heads=2, seed=0, dtype=torch.float64)
@@ -139,7 +144,7 @@ def test_shared_prefix_forward_and_gradient_equal_the_plain_pass(tok, attn, grou
     assert _max_rel(g_wrong, g_plain) > 1e-2
 
 
-@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2, "interleaved"])
 def test_learner_logprobs_use_the_prefix_exactly(tok, groups):
     model = build_tiny_model(tok, hidden_size=32, layers=2, heads=2, seed=3, dtype=torch.float64)
     ids, am, act = _batch(seed=4, groups=groups)
@@ -185,3 +190,21 @@ def test_trailing_padding_columns_are_not_computed(tok):
     a = learner_logprobs(model, wide_ids, wide_am, wide_act).logp
     b = learner_logprobs(model, ids, am, act).logp
     assert torch.equal(a[:, : b.shape[1]], b) and not a[:, b.shape[1]:].any()
+
+
+@pytest.mark.parametrize("index", [[0, 0, 1, 1, 2, 2], [0, 2, 1, 0, 1, 2], [0, 0, 0, 1, 1, 2]],
+                         ids=["blocks", "interleaved", "unequal-blocks"])
+def test_prefix_spread_equals_index_select_in_value_and_gradient(index):
+    """Each group's prefix read by its rows: expanded for equal consecutive blocks, index_select
+    otherwise; the same values and the same (summed) gradient either way."""
+    from trajgrad.model.learner import _spreader
+
+    idx = torch.tensor(index)
+    x = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 2, 5, dtype=torch.float64)
+    y = _spreader(idx, 3)(x)
+    (g,) = torch.autograd.grad((y * w).sum(), x)
+    ref = x.index_select(0, idx)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+    assert torch.equal(y, ref)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)

@@ -56,6 +56,24 @@ def _sharded(backbone: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in backbone.modules())
 
 
+def _spreader(index: torch.Tensor, groups: int):
+    """``x -> x[index]`` along dim 0 (each group's prefix, read by its rows; the grad sums them).
+
+    Rows in equal consecutive blocks (a GRPO batch: ``G`` samples of each prompt in turn) expand
+    each group ``G`` times, whose backward is one sum over the block (about 4x cheaper than
+    ``index_add_`` on the strided gradient the cache's concatenation hands back: 0.25 ms against
+    1.05 ms for 8 x 8 rows of ``[4, 35, 32]``, one thread). Otherwise ``index_select``,
+    not advanced indexing: the backward of ``x[idx]`` is ``index_put_(accumulate=True)``, which on
+    a CPU with more than one thread adds rows with atomic float adds in the order the threads reach
+    them (gradients differed in the last bits from run to run); ``index_select``'s backward
+    (``index_add_``) adds the rows one index after another, the same sum every time."""
+    B = index.numel()
+    if B % groups == 0 and torch.equal(index, torch.arange(groups, device=index.device).repeat_interleave(B // groups)):
+        G = B // groups
+        return lambda x: x.unsqueeze(1).expand(groups, G, *x.shape[1:]).reshape(B, *x.shape[1:])
+    return lambda x: x.index_select(0, index)
+
+
 def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                 share_prefix: bool = True, min_prefix: int = 16):
     r"""(hidden ``[B, T-1, H]`` float32, head weight ``[V, H]`` float32, bias or None).
@@ -99,19 +117,12 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         first = backbone(input_ids=input_ids[reps, :P], attention_mask=attention_mask[reps, :P],
                          position_ids=pos[reps, :P], use_cache=True, **{kw: DynamicCache()})
         cache = output_cache(first)
-        one = reps.numel() == 1
-        # each group's prefix, read by its rows (the grad sums them). index_select, not
-        # advanced indexing: the backward of x[idx] is index_put_(accumulate=True), which on a CPU
-        # with more than one thread adds rows with atomic float adds in the order the threads
-        # reach them (gradients differed in the last bits from run to run); index_select's
-        # backward (index_add_) adds the rows one index after another, the same sum every time
+        spread = _spreader(idx, reps.numel())
         for layer in cache.layers:
-            layer.keys = layer.keys.expand(B, -1, -1, -1) if one else layer.keys.index_select(0, idx)
-            layer.values = layer.values.expand(B, -1, -1, -1) if one else layer.values.index_select(0, idx)
+            layer.keys, layer.values = spread(layer.keys), spread(layer.values)
         rest = backbone(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
                         use_cache=True, **{kw: cache})
-        head_h = first.last_hidden_state.expand(B, -1, -1) if one else first.last_hidden_state.index_select(0, idx)
-        full = torch.cat([head_h, rest.last_hidden_state], dim=1)
+        full = torch.cat([spread(first.last_hidden_state), rest.last_hidden_state], dim=1)
     else:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
         full = out.last_hidden_state
