@@ -302,8 +302,9 @@ def main() -> None:
     ]
     if all("samples_per_cpu_s" in r for rr in runs.values() for r in rr):
         cres = {side: sorted(x["samples_per_cpu_s"] for x in r)[len(r) // 2] for side, r in runs.items()}
-        md += ["", "Per CPU-second of each process (process time, robust to other jobs on a shared machine; one "
-               "torch thread): median samples per CPU-second trajgrad " + f"{cres['trajgrad']:.2f}, TRL {cres['trl']:.2f}"
+        threads = "one torch thread" if a.threads == 1 else f"{a.threads} torch threads, so up to {a.threads} CPU-seconds a second"
+        md += ["", f"Per CPU-second of each process (process time, robust to other jobs on a shared machine; {threads}): "
+               "median samples per CPU-second trajgrad " + f"{cres['trajgrad']:.2f}, TRL {cres['trl']:.2f}"
                + (f", trajgrad before {cres['baseline']:.2f}" if "baseline" in cres else "")
                + f"; ratio trajgrad / TRL **{cres['trajgrad'] / cres['trl']:.2f}x** (per round: "
                + ", ".join(f"{t['samples_per_cpu_s'] / r['samples_per_cpu_s']:.2f}x"
