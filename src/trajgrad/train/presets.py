@@ -38,7 +38,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "recipe": {"name": "grpo", "overrides": {"kl_coef": 0.0, "kl_placement": "none"}},
         "optim": {"lr": 5e-4},
         # 8 steps: held-out 0/64 -> 62/64 after 8 steps and after 12 alike (16 steps: 63/64);
-        # no evaluation during the run (before and after only): 5 to 7 minutes on 2 cores (bench/results/main_job.md)
+        # no evaluation during the run (before and after only): 4 to 7 minutes on 2 cores (bench/results/main_job.md)
         "train": {"steps": 8, "prompts_per_step": 8, "group_size": 4, "micro_batch_size": 8},
         "eval": {"every": 0, "during_n": 16, "temperature": 0.0},
         "checkpoint": {"every": 4},
