@@ -320,6 +320,14 @@ def _machine_load() -> str:
         return "load average unavailable"
 
 
+def _memory_gib() -> float:
+    """Physical memory of this machine in GiB (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def write_report(path, args, rows, curves, loads, cmd, solo=None):
     import ray
     import torch
@@ -334,8 +342,9 @@ def write_report(path, args, rows, curves, loads, cmd, solo=None):
         cmd,
         "```",
         "",
-        f"Machine: {os.cpu_count()} CPU cores and 24 GiB, shared with other jobs (other people's tests and "
-        "benchmarks were running at the same time). Load average while running: " + "; ".join(loads) + ".",
+        f"Machine: {os.cpu_count()} CPU cores and {_memory_gib():.0f} GiB. Load average (1/5/15 min) while running, "
+        "which the benchmark's own workers and learner raise; a figure above the core count at the start means "
+        "other work shared the machine: " + "; ".join(loads) + ".",
         "",
         "## Throughput under heavy-tailed environment latency",
         "",
