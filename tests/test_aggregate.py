@@ -354,6 +354,10 @@ def _ddp_worker(rank: int, world: int, init_file: str) -> None:
                 local = sum(aggregate(ddp(feats[a:b]).squeeze(-1), mask[a:b], mode) for a, b in mbs) / len(mbs)
                 local.backward()
                 assert not torch.allclose(model.weight.grad, ref_model.weight.grad)
+            del ddp
+        # both ranks done before either tears its process group down: a rank whose peer has
+        # already closed the gloo connections can abort in the teardown (seen once under load)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
