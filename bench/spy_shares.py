@@ -18,9 +18,9 @@ from typing import Dict, Iterable, Tuple
 # the parts of trajgrad's group-synchronous step (train/trainer.py), by the frames they run in
 DEFAULT_PARTS = (
     ("collect (sampling, environments)", "Trainer._collect"),
+    ("  shared prompt prefixes, run once per group", "_shared_prefix ("),
     ("  sample_actions", "sample_actions ("),
     ("    decode steps", "decode_step ("),
-    ("    prefill of shared prefixes", "_shared_prefix ("),
     ("update (learn)", "Trainer.learn ("),
     ("  forward (learner_logprobs)", "learner_logprobs ("),
     ("  backward", "_engine_run_backward ("),
