@@ -22,6 +22,11 @@ one key/value group are stacked as that group's queries (grouped-query attention
 rounding (about 1e-7 in float32), so the §24 check (ratio = 1 within 1e-5 between the
 sampler's log-probs and the learner's recomputation) holds.
 
+With a :class:`~trajgrad.model.shared_prefix.SharedPrefix` (the rows of a GRPO group share
+their prompt's keys and values) the buffers hold only each row's tokens after the prefix,
+and attention is :func:`~trajgrad.model.shared_prefix.shared_prefix_attention`: the same
+function, with each prefix's keys read once per group instead of once per row.
+
 :func:`fast_backbone` says whether a model qualifies: a ``LlamaForCausalLM`` (possibly
 wrapped by ``peft``; SmolLM2, the tiny model, any Llama checkpoint loaded through
 ``model.path``, with biases, rope scaling or grouped-query attention alike) using the
@@ -35,7 +40,9 @@ from typing import List, Optional
 
 import torch
 
+from .kv import RowKV
 from .parts import causal_lm
+from .shared_prefix import SharedPrefix, shared_prefix_attention
 
 __all__ = ["KVBuffers", "decode_step", "fast_backbone"]
 
@@ -58,18 +65,26 @@ def fast_backbone(model) -> Optional[torch.nn.Module]:
 
 
 class _LayerView:
-    """``keys`` / ``values`` of one layer: the filled part ``[B, H_kv, length, D]``."""
+    """``keys`` / ``values`` of one layer: the filled part ``[B, H_kv, length, D]`` (with a
+    shared prefix, per-row copies of it in front: built when read)."""
 
     def __init__(self, owner: "KVBuffers", index: int):
         self.owner, self.index = owner, index
 
+    def _full(self, own: List[torch.Tensor], which: str) -> torch.Tensor:
+        o = self.owner
+        part = own[self.index][:, :, : o.length - o.offset]
+        if o.shared is None:
+            return part
+        return torch.cat([o.shared.expanded(self.index, which).to(part.dtype), part], dim=2)
+
     @property
     def keys(self) -> torch.Tensor:
-        return self.owner.k[self.index][:, :, : self.owner.length]
+        return self._full(self.owner.k, "k")
 
     @property
     def values(self) -> torch.Tensor:
-        return self.owner.v[self.index][:, :, : self.owner.length]
+        return self._full(self.owner.v, "v")
 
 
 class KVBuffers:
@@ -78,32 +93,61 @@ class KVBuffers:
     Built from the per-layer ``(keys, values)`` of a prompt's forward pass with room for
     ``extra`` more tokens. ``layers[l].keys`` / ``.values`` view the filled part (the
     shape the sampler's row extraction reads); :meth:`batch_select_indices` keeps rows.
+
+    With ``shared`` (a :class:`~trajgrad.model.shared_prefix.SharedPrefix` of width ``W``),
+    the first ``W`` columns of ``layers_kv`` are the rows' prefixes, which ``shared`` holds
+    once per group: the buffers keep only the columns after them (``offset = W``);
+    ``length`` and ``capacity`` still count the prefix.
     """
 
-    def __init__(self, layers_kv, extra: int):
+    def __init__(self, layers_kv, extra: int, shared: Optional[SharedPrefix] = None):
         if extra < 0:
             raise ValueError(f"extra: must be >= 0, got {extra}")
+        self.shared = shared
+        self.offset = 0 if shared is None else shared.width
         self.k: List[torch.Tensor] = []
         self.v: List[torch.Tensor] = []
         self.length = int(layers_kv[0][0].shape[2])
-        cap = self.length + int(extra)
+        if self.offset > self.length:
+            raise ValueError(f"shared: its width {self.offset} exceeds the {self.length} cached tokens")
+        cap = self.length - self.offset + int(extra)
         for k, v in layers_kv:
             B, H, T, D = k.shape
             kb = k.new_empty((B, H, cap, D))
             vb = v.new_empty((B, v.shape[1], cap, v.shape[3]))
-            kb[:, :, :T] = k
-            vb[:, :, :T] = v
+            kb[:, :, :T - self.offset] = k[:, :, self.offset:]
+            vb[:, :, :T - self.offset] = v[:, :, self.offset:]
             self.k.append(kb)
             self.v.append(vb)
         self.layers = [_LayerView(self, i) for i in range(len(self.k))]
 
     @property
     def capacity(self) -> int:
-        return int(self.k[0].shape[2])
+        return self.offset + int(self.k[0].shape[2])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.k = [k.index_select(0, indices) for k in self.k]
         self.v = [v.index_select(0, indices) for v in self.v]
+        if self.shared is not None:
+            self.shared = self.shared.select(indices)
+
+    def rows_kv(self, rows: torch.Tensor, mask: torch.Tensor) -> List[RowKV]:
+        """Each of ``rows``' :class:`~trajgrad.model.kv.RowKV` (its real tokens); ``mask``:
+        ``[B, length]``, 1 at real tokens. With a shared prefix, the row's prefix is the
+        :class:`RowKV` it came with, the rest is read from the buffers."""
+        out = []
+        n = self.length - self.offset
+        for i in rows.tolist():
+            keep = mask[i, self.offset:].bool()
+            # boolean indexing copies: the row owns its tensors (the buffers are reused)
+            ks = [k[i, :, :n][:, keep, :] for k in self.k]
+            vs = [v[i, :, :n][:, keep, :] for v in self.v]
+            if self.shared is not None:
+                head = self.shared.rows[i]
+                ks = [torch.cat([h.to(x.dtype), x], dim=1) for h, x in zip(head.keys, ks)]
+                vs = [torch.cat([h.to(x.dtype), x], dim=1) for h, x in zip(head.values, vs)]
+            out.append(RowKV(ks, vs))
+        return out
 
 
 @torch.no_grad()
@@ -129,6 +173,9 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
     x = backbone.embed_tokens(token[:, None])
     cos, sin = backbone.rotary_emb(x, position[:, None])
     mask = attention_mask.bool()[:, None, None, :]
+    shared, off = buffers.shared, buffers.offset
+    if shared is not None:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     n_layers = getattr(backbone.config, "num_hidden_layers", len(backbone.layers))
     for i, layer in enumerate(backbone.layers[:n_layers]):
         attn = layer.self_attn
@@ -139,13 +186,17 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
         v = attn.v_proj(h).view(B, 1, -1, D).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kb, vb = buffers.k[i], buffers.v[i]
-        kb[:, :, L:L + 1] = k
-        vb[:, :, L:L + 1] = v
+        n = L - off  # this row's tokens in the buffers, before the new one
+        kb[:, :, n:n + 1] = k
+        vb[:, :, n:n + 1] = v
         H, Hkv = q.shape[1], kb.shape[1]
         # the H / H_kv query heads of a key/value group attend as that group's queries
         qg = q.reshape(B, Hkv, H // Hkv, D)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qg, kb[:, :, :L + 1], vb[:, :, :L + 1], attn_mask=mask, scale=attn.scaling)
+        if shared is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qg, kb[:, :, :n + 1], vb[:, :, :n + 1], attn_mask=mask, scale=attn.scaling)
+        else:
+            o = shared_prefix_attention(qg, shared, i, kb[:, :, :n + 1], vb[:, :, :n + 1], bias, attn.scaling)
         x = x + attn.o_proj(o.reshape(B, 1, H * D))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     buffers.length = L + 1

@@ -70,7 +70,11 @@ def cache_layers(cache) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
 
 
 def extract_rows(cache, rows: torch.Tensor, mask: torch.Tensor) -> Optional[List[RowKV]]:
-    """Per-row :class:`RowKV` for ``rows`` of a batched cache; ``mask`` [B, T] marks real tokens."""
+    """Per-row :class:`RowKV` for ``rows`` of a batched cache; ``mask`` [B, T] marks real tokens.
+
+    A cache with its own ``rows_kv(rows, mask)`` (the decode step's buffers) reads them itself."""
+    if hasattr(cache, "rows_kv"):
+        return cache.rows_kv(rows, mask)
     layers = cache_layers(cache)
     if layers is None:
         return None

@@ -21,7 +21,10 @@ sampler and in the right-padded learner alike, so both evaluate the same functio
 Decoding: the context runs through the model's own forward; the tokens after it run
 through :func:`~trajgrad.model.decode.decode_step` for Llama models (preallocated
 key/value buffers, the same function up to float rounding; ``fast_decode=False`` turns it
-off). Rows that have ended stay in the batch, ignored, until a quarter of it has ended.
+off). Rows given the same :class:`~trajgrad.model.kv.RowKV` object as ``past_kv`` (the
+rows of a group, from :class:`HFBackend`'s shared prompt prefix) keep its keys and values
+once (:mod:`~trajgrad.model.shared_prefix`). Rows that have ended stay in the batch,
+ignored, until a quarter of it has ended.
 
 :class:`HFBackend` is the in-process *action backend* of the episode loop
 (:class:`~trajgrad.rollout.episodes.EpisodeRunner`): it samples one action per episode in
@@ -46,6 +49,7 @@ from ..model.decode import KVBuffers, decode_step, fast_backbone
 from ..model.kv import RowKV, batched_cache, cache_kwarg, cache_layers, empty_row, extract_rows, output_cache
 from ..model.parts import causal_lm
 from ..model.positions import position_ids_from_attention_mask, prefix_groups
+from ..model.shared_prefix import SharedPrefix
 from .chat import end_of_turn_id
 
 __all__ = ["Action", "HFBackend", "RowKV", "SamplingSettings", "sample_actions", "validate_sampling"]
@@ -123,6 +127,8 @@ class _Stepper:
         # later one-token calls run the lean decode step (Llama models; decode.py)
         self.fast = fast_backbone(model) if extra_capacity is not None else None
         self.extra = extra_capacity
+        # set by the caller when rows share prefixes: the buffers keep each prefix once
+        self.shared: Optional[SharedPrefix] = None
         causal = causal_lm(model)
         self.lm_head = getattr(causal, "lm_head", None)
         if head_in_float32:
@@ -158,7 +164,7 @@ class _Stepper:
 
     def _keep(self, cache) -> None:
         layers = cache_layers(cache) if self.fast is not None and self.lm_head is not None else None
-        self.cache = KVBuffers(layers, self.extra) if layers else cache
+        self.cache = KVBuffers(layers, self.extra, shared=self.shared) if layers else cache
 
 
 def _model_name(model) -> str:
@@ -264,10 +270,13 @@ def sample_actions(
     if not isinstance(fast_decode, bool):
         raise ValueError(f"fast_decode: expected a bool, got {fast_decode!r}")
     step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None)
+    if any(cached) and step_fn.fast is not None:
+        # rows given the same RowKV object (a group's prompt) keep its keys/values once
+        step_fn.shared = SharedPrefix.from_rows(past_kv, past_mask.shape[1], device)
     logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
     past = step_fn.cache
     row_kv: List[Optional[RowKV]] = [None] * B
-    want_kv = bool(return_kv) and cache_layers(past) is not None
+    want_kv = bool(return_kv) and (hasattr(past, "rows_kv") or cache_layers(past) is not None)
     next_pos = torch.as_tensor(lengths, dtype=torch.long, device=device)
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     actions: List[List[int]] = [[] for _ in range(B)]
