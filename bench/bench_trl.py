@@ -18,6 +18,10 @@ builds ``.venv-peers`` (pinned trl, layered on ``.venv``)::
     PYTHONPATH=$PWD/src .venv-peers/bin/python bench/bench_trl.py --rounds 5
     PYTHONPATH=$PWD/src .venv-peers/bin/python bench/bench_trl.py --workload smollm2 --steps 2 --warmup 1 --rounds 1
 
+``--trl-same-allocator`` adds TRL run with the allocator settings trajgrad's trainer applies
+(``train.keep_freed_mb``; ``trajgrad.train.allocator``), given through glibc's environment
+variables, alternated with the others: how much of the ratio those settings account for.
+
 ``--baseline-src DIR`` adds a third side, trajgrad imported from ``DIR`` (another checkout's
 ``src``), alternated with the others: the speed-up of this version over that one, measured in
 the same run. Each side runs in its own subprocess, one after the other (never concurrently).
@@ -229,6 +233,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default: bench/results/trl.md (tiny), trl_<workload>.md otherwise")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; the median is reported")
+    ap.add_argument("--trl-same-allocator", action="store_true",
+                    help="also run TRL with the allocator settings trajgrad's trainer applies (train.keep_freed_mb), "
+                         "alternated: how much of the ratio they account for")
     ap.add_argument("--baseline-src", default=None,
                     help="also run trajgrad imported from this directory (another checkout's src), alternated")
     a = ap.parse_args()
@@ -241,7 +248,7 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(a.steps, a.warmup, a.workload)))
         return
     out_path = a.out or ("bench/results/trl.md" if a.workload == "tiny" else f"bench/results/trl_{a.workload}.md")
-    sides = ["trajgrad", "trl"] + (["baseline"] if a.baseline_src else [])
+    sides = ["trajgrad", "trl"] + (["trl-alloc"] if a.trl_same_allocator else []) + (["baseline"] if a.baseline_src else [])
     runs = {s: [] for s in sides}
     loads = []
     for rnd in range(a.rounds):  # alternate the sides so that a change in machine load hits all of them
@@ -249,7 +256,12 @@ def main() -> None:
             env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
             if side == "baseline":
                 env["PYTHONPATH"] = os.path.abspath(a.baseline_src)
-            out = subprocess.run([sys.executable, __file__, "--side", "trl" if side == "trl" else "trajgrad",
+            if side == "trl-alloc":
+                from trajgrad.train.allocator import env_equivalent
+                from trajgrad.train.config import LoopConfig
+
+                env.update(env_equivalent(LoopConfig().keep_freed_mb))
+            out = subprocess.run([sys.executable, __file__, "--side", "trl" if side.startswith("trl") else "trajgrad",
                                   "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads),
                                   "--workload", a.workload], capture_output=True, text=True, env=env)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -271,6 +283,7 @@ def main() -> None:
                   else f"SmolLM2-135M-Instruct, float32, LoRA r={LORA['r']} alpha={LORA['alpha']} on q/k/v/o (both sides)")
     cmd = (f"PYTHONPATH=$PWD/src {sys.executable} bench/bench_trl.py --workload {a.workload} --steps {a.steps} "
            f"--warmup {a.warmup} --threads {a.threads} --rounds {a.rounds}"
+           + (" --trl-same-allocator" if a.trl_same_allocator else "")
            + (f" --baseline-src {a.baseline_src}" if a.baseline_src else ""))
     title = "same tiny model" if wl["model"] == "tiny" else "same SmolLM2-135M"
     md = [
@@ -287,6 +300,9 @@ def main() -> None:
         f"| TRL GRPOTrainer | {res['trl']['samples_per_s']:.2f} | {res['trl']['steps']} | {res['trl']['seconds']:.1f} |",
         f"| trajgrad | {res['trajgrad']['samples_per_s']:.2f} | {res['trajgrad']['steps']} | {res['trajgrad']['seconds']:.1f} |",
     ]
+    if "trl-alloc" in res:
+        md.append(f"| TRL GRPOTrainer, trajgrad's allocator settings | {res['trl-alloc']['samples_per_s']:.2f} | "
+                  f"{res['trl-alloc']['steps']} | {res['trl-alloc']['seconds']:.1f} |")
     if "baseline" in res:
         md.append(f"| trajgrad from `{a.baseline_src}` (before) | {res['baseline']['samples_per_s']:.2f} | "
                   f"{res['baseline']['steps']} | {res['baseline']['seconds']:.1f} |")
@@ -297,6 +313,8 @@ def main() -> None:
         + ", ".join(f"{x:.2f}x" for x in per_round) + f" (lowest {min(per_round):.2f}x)"
         + "; samples/s per run: trajgrad " + ", ".join(f"{t['samples_per_s']:.1f}" for t in runs["trajgrad"])
         + ", TRL " + ", ".join(f"{r['samples_per_s']:.1f}" for r in runs["trl"])
+        + ("" if "trl-alloc" not in runs else
+           ", TRL with trajgrad's allocator settings " + ", ".join(f"{r['samples_per_s']:.1f}" for r in runs["trl-alloc"]))
         + ("" if "baseline" not in runs else
            ", trajgrad before " + ", ".join(f"{r['samples_per_s']:.1f}" for r in runs["baseline"])) + ".",
     ]
@@ -309,6 +327,10 @@ def main() -> None:
                + f"; ratio trajgrad / TRL **{cres['trajgrad'] / cres['trl']:.2f}x** (per round: "
                + ", ".join(f"{t['samples_per_cpu_s'] / r['samples_per_cpu_s']:.2f}x"
                            for t, r in zip(runs["trajgrad"], runs["trl"])) + ")"
+               + (f"; TRL with trajgrad's allocator settings {cres['trl-alloc']:.2f}, trajgrad / that "
+                  f"**{cres['trajgrad'] / cres['trl-alloc']:.2f}x** (per round: "
+                  + ", ".join(f"{t['samples_per_cpu_s'] / r['samples_per_cpu_s']:.2f}x"
+                              for t, r in zip(runs["trajgrad"], runs["trl-alloc"])) + ")" if "trl-alloc" in cres else "")
                + (f"; trajgrad / before {cres['trajgrad'] / cres['baseline']:.2f}x (per round: "
                   + ", ".join(f"{t['samples_per_cpu_s'] / b['samples_per_cpu_s']:.2f}x"
                               for t, b in zip(runs["trajgrad"], runs["baseline"])) + ")" if "baseline" in cres else "")

@@ -34,6 +34,7 @@ CASES = [
     ("float-for-int", T + S("train.steps=1.5"), {}, "train.steps"),
     ("string-for-int", T + S('train.steps="3"'), {}, "train.steps"),
     ("negative-steps", T + S("train.steps=-1"), {}, "train.steps"),
+    ("negative-keep-freed", T + S("train.keep_freed_mb=-1"), {}, "train.keep_freed_mb"),
     ("lr-inf", T + S("optim.lr=.inf"), {}, "optim.lr"),
     ("lr-nan", T + S("optim.lr=.nan"), {}, "optim.lr"),
     ("lr-negative", T + S("optim.lr=-1"), {}, "optim.lr"),

@@ -163,6 +163,8 @@ class LoopConfig(_Strict):
         "auto", description="auto: a single on-policy epoch uses the update pass's own detached log-probs "
         "(identical to a recompute); recompute: a separate no-grad pass; behaviour: the sampler's records")
     dynamic_sampling_max_tries: int = Field(3, ge=1)
+    keep_freed_mb: int = Field(512, ge=0, description="MiB of freed memory the process keeps for the next step "
+                               "(glibc mallopt; train/allocator.py); 0 = the C library's defaults")
 
 
 class SFTConfig(_Strict):

@@ -48,6 +48,7 @@ from .metrics import MetricsLogger
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
+from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 
@@ -70,6 +71,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.determinism = determinism_settings()
         self.console(format_determinism(self.determinism))
+        self.console(keep_freed_memory(cfg.train.keep_freed_mb))
         if self.is_main:
             record_determinism(self.run_dir, self.determinism)
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..rollout import HFSampler
+from .allocator import keep_freed_memory
 from .config import build_config
 from .seeding import step_seed as _step_seed
 from .weight_store import load_trainable_state
@@ -94,6 +95,7 @@ class RolloutWorker:
 
         cfg = build_config(dict(cfg_data))
         self.cfg = cfg
+        keep_freed_memory(cfg.train.keep_freed_mb)
         self.index = int(index)
         self.generation = int(generation)
         self.model, self.tokenizer = build_policy_model(cfg.model)
