@@ -137,3 +137,33 @@ def test_shared_prefix_only_where_it_saves_reads():
     k = torch.zeros(2, 1, 3, 2)
     with pytest.raises(ValueError, match="shared"):
         KVBuffers([(k[:, :, :2], k[:, :, :2])], extra=1, shared=SharedPrefix.from_rows([row, row], 3, "cpu"))
+
+
+def test_buffers_with_a_shared_prefix_read_back_what_per_row_buffers_hold():
+    """layers[l].keys / .values (what cache_layers reads), rows_kv and dropping rows: the same
+    per-row keys/values whether the prefix is held once or per row."""
+    g = torch.Generator().manual_seed(1)
+    H, D, W, T = 2, 4, 5, 8  # prefix width 5, 3 tokens after it
+    heads = [RowKV([torch.randn(H, n, D, generator=g)], [torch.randn(H, n, D, generator=g)]) for n in (5, 3)]
+    past = [heads[0], heads[0], heads[1], heads[1]]
+    mask = torch.ones(4, T, dtype=torch.long)
+    mask[2:, :W - 3] = 0
+    k = torch.zeros(4, H, T, D)
+    v = torch.zeros(4, H, T, D)
+    for b, p in enumerate(past):
+        k[b, :, W - p.length:W], v[b, :, W - p.length:W] = p.keys[0], p.values[0]
+    k[:, :, W:], v[:, :, W:] = torch.randn(4, H, T - W, D, generator=g), torch.randn(4, H, T - W, D, generator=g)
+    plain = KVBuffers([(k, v)], extra=2)
+    shared = KVBuffers([(k, v)], extra=2, shared=SharedPrefix.from_rows(past, W, "cpu"))
+    assert shared.shared is not None and shared.length == plain.length == T and shared.capacity == plain.capacity
+    assert shared.k[0].shape[2] == T - W + 2  # only the tokens after the prefix, and room for 2 more
+    torch.testing.assert_close(shared.layers[0].keys, plain.layers[0].keys, rtol=0, atol=0)
+    torch.testing.assert_close(shared.layers[0].values, plain.layers[0].values, rtol=0, atol=0)
+    for bufs in (plain, shared):
+        bufs.batch_select_indices(torch.tensor([3, 0]))
+    rows = torch.tensor([0, 1])
+    sub_mask = mask[torch.tensor([3, 0])]
+    for a, b in zip(plain.rows_kv(rows, sub_mask), shared.rows_kv(rows, sub_mask)):
+        assert a.length == b.length
+        for x, y in zip(a.keys + a.values, b.keys + b.values):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
