@@ -15,9 +15,8 @@ The price is up to ``keep_mb`` MiB of resident memory held while idle. The setti
 those of the process (every thread, every library in it); the trainer applies them from
 ``train.keep_freed_mb`` (0 leaves glibc's defaults). Measured on the tiny GRPO workload of
 ``bench/bench_trl.py`` (one thread): page faults per learner step (forward and backward) about
-2,300 -> under 30. Nothing
-changes when the C library is not glibc, or when the environment already sets one of
-glibc's ``MALLOC_*_`` variables (the user's choice stands).
+2,300 -> under 30. Nothing changes when the C library is not glibc, or when the environment
+already sets one of glibc's ``MALLOC_*_`` variables (the user's choice stands).
 """
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ def keep_freed_memory(keep_mb: int) -> str:
     done = [libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MB << 20), libc.mallopt(_M_TRIM_THRESHOLD, keep_mb << 20),
             libc.mallopt(_M_TOP_PAD, _TOP_PAD_MB << 20)]
     if not all(done):
-        return "allocator: glibc refused the settings; unchanged"
+        refused = [n for n, ok in zip(("M_MMAP_THRESHOLD", "M_TRIM_THRESHOLD", "M_TOP_PAD"), done) if not ok]
+        return f"allocator: glibc refused {', '.join(refused)}; the other settings applied"
     return (f"allocator: freed memory kept for reuse, up to {keep_mb} MiB (train.keep_freed_mb; "
             f"blocks below {_MMAP_MB} MiB from the heap)")
