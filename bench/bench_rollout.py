@@ -83,7 +83,7 @@ def main(argv=None):
     # ---------------------------------------------------------------- learner
     batch = collate(trajs, tok.pad_token_id)
     mbs = [list(range(i, min(i + args.micro_batch, len(batch)))) for i in range(0, len(batch), args.micro_batch)]
-    groups = [prefix_groups(batch.input_ids[i], batch.attention_mask[i]) for i in mbs]
+    groups = [prefix_groups(batch.input_ids[i], batch.attention_mask[i], per_group=False) for i in mbs]
     prefix = [g.length if g is not None else 0 for g in groups]
     ltimes, lps = {}, {}
     model.train()

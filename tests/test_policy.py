@@ -58,13 +58,40 @@ def _max_rel(a, b):
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in b)
 
 
-def _brute_force_saving(ids, am, min_prefix):
+def _brute_force_single(ids, am, min_prefix):
+    """The most token positions one prefix length for every row saves."""
     B = ids.shape[0]
     cap = min(int(am.sum(1).min()) - 1, int(am.long().cumprod(1).sum(1).min()))
     best = 0
     for p in range(max(min_prefix, 1), cap + 1):
         distinct = len({tuple(r[:p].tolist()) for r in ids})
         best = max(best, (B - distinct) * p)
+    return best
+
+
+def _brute_force_saving(ids, am, min_prefix):
+    """The most token positions any threshold p saves, each group sharing what all its rows share."""
+    B = ids.shape[0]
+    cap = [min(int(am[b].sum()) - 1, int(am[b].cumprod(0).sum())) for b in range(B)]
+    rows = [ids[b, : int(am[b].cumprod(0).sum())].tolist() for b in range(B)]
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    best = 0
+    for p in range(max(min_prefix, 1), ids.shape[1] + 1):
+        groups = {}
+        for b in range(B):
+            groups.setdefault(tuple(rows[b][:p]) if cap[b] >= p else ("alone", b), []).append(b)
+        saved = 0
+        for members in groups.values():
+            if len(members) > 1:
+                share = min(min(cap[b] for b in members), min(common(rows[members[0]], rows[b]) for b in members))
+                saved += (len(members) - 1) * share
+        best = max(best, saved)
     return best
 
 
@@ -78,7 +105,13 @@ def test_prefix_groups_examples():
     assert prefix_groups(ids2, am) is None
     ids, am, _ = _batch(P=20, groups=2)
     g = prefix_groups(ids, am)
-    assert g.length == 20 and g.index.tolist() == [0, 0, 1, 1] and g.saved_tokens == 40
+    # each group shares what its rows share: rows 2-3 their 24 tokens, within row 2's 25
+    assert g.length == 20 and g.index.tolist() == [0, 0, 1, 1] and g.lengths.tolist() == [20, 24]
+    assert g.saved_tokens == 44
+    # one length for every group (the learner's rectangular prefix pass)
+    g = prefix_groups(ids, am, per_group=False)
+    assert g.length == 20 and g.index.tolist() == [0, 0, 1, 1] and g.lengths.tolist() == [20, 20]
+    assert g.saved_tokens == 40
     with pytest.raises(ValueError, match="input_ids"):
         prefix_groups(ids, am[:, :3])
 
@@ -92,14 +125,26 @@ def test_prefix_groups_saves_the_most_and_groups_equal_prefixes(B, T, vocab, see
     am = (torch.arange(T)[None] < lengths[:, None]).long()
     g = prefix_groups(ids, am, min_prefix=min_prefix)
     best = _brute_force_saving(ids, am, min_prefix)
+    one = prefix_groups(ids, am, min_prefix=min_prefix, per_group=False)  # one length for every group
+    single = _brute_force_single(ids, am, min_prefix)
+    assert (one is None and single == 0) or (one.saved_tokens == single > 0 and set(one.lengths.tolist()) == {one.length})
+    if one is not None:
+        assert one.length < int(lengths.min())  # a token left in every row
+        for b in range(B):
+            assert torch.equal(ids[b, : one.length], ids[one.rows[one.index[b]], : one.length])
     if g is None:
         assert best == 0
         return
     assert g.saved_tokens == best > 0
-    assert g.length < int(lengths.min())  # a token left in every row
+    sizes = torch.bincount(g.index)
     for b in range(B):
-        assert torch.equal(ids[b, : g.length], ids[g.rows[g.index[b]], : g.length])
-    assert len({tuple(ids[r, : g.length].tolist()) for r in g.rows}) == g.rows.numel()  # groups are distinct
+        n = int(g.lengths[g.index[b]])
+        assert n < int(lengths[b])  # a token left in every row
+        assert torch.equal(ids[b, :n], ids[g.rows[g.index[b]], :n])
+        assert sizes[g.index[b]] == 1 or n >= g.length
+    shared = [r for u, r in enumerate(g.rows.tolist()) if sizes[u] > 1]
+    assert len({tuple(ids[r, : g.length].tolist()) for r in shared}) == len(shared)  # groups are distinct
+
 
 
 @pytest.mark.parametrize("groups", [1, 2, "interleaved"], ids=["one-prefix", "two-groups", "two-groups-interleaved"])

@@ -664,3 +664,34 @@ def test_hf_sampler_is_the_episode_loop_over_the_hf_backend(tok, model):
     assert [[u.behaviour_logp for u in t.turns] for t in a] == [[u.behaviour_logp for u in t.turns] for t in b]
     assert (s.temperature, s.top_k, s.top_p, s.max_new_tokens) == (0.9, 20, None, 5)
     assert s.max_context_tokens == model.config.max_position_embeddings
+
+
+def test_groups_with_prompts_of_different_lengths_each_share_their_whole_prompt(tok):
+    """Three groups whose prompts share 12 tokens and then differ in length (20, 27, 33 tokens):
+    each group's whole prompt (but its last token) is run once and handed to its rows, and
+    what is sampled is what sampling without any kept keys/values gives."""
+    from trajgrad.model.positions import prefix_groups
+    from trajgrad.rollout.generation import HFBackend
+
+    model = build_tiny_model(tok, hidden_size=32, layers=2, heads=4, kv_heads=2, seed=5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    common = torch.randint(5, 60, (12,), generator=g).tolist()
+    prompts = [common + torch.randint(5, 60, (n - 12,), generator=g).tolist() for n in (20, 27, 33)]
+    seqs = [p for p in prompts for _ in range(4)]
+    ids = torch.zeros(len(seqs), 33, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)], mask[r, :len(s)] = torch.as_tensor(s), 1
+    groups = prefix_groups(ids, mask, min_prefix=8)
+    assert groups.lengths.tolist() == [19, 26, 32] and groups.index.tolist() == [u for u in range(3) for _ in range(4)]
+
+    backend = HFBackend(model, tok, max_new_tokens=6, temperature=1.0)
+    shared = backend._shared_prefix(seqs, [None] * len(seqs))
+    assert [p.length for p in shared] == [n - 1 for n in (20, 27, 33) for _ in range(4)]
+    assert len({id(p) for p in shared}) == 3  # one object per group: the decode step keeps each once
+    with backend.eval_mode():
+        kept, _ = backend.generate(seqs, torch.Generator().manual_seed(7), past=[None] * len(seqs))
+        plain, _ = backend.generate(seqs, torch.Generator().manual_seed(7))
+    assert [a.ids for a in kept] == [a.ids for a in plain]
+    for a, b in zip(kept, plain):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) < 1e-6

@@ -108,7 +108,9 @@ def head_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     checkpointing = bool(getattr(backbone, "gradient_checkpointing", False))
     groups = None
     if share_prefix and not checkpointing and not _stochastic(model) and not _sharded(backbone):
-        groups = prefix_groups(input_ids, attention_mask, min_prefix=min_prefix)
+        # one prefix length for every group: a rectangular prefix pass (per-group lengths, which
+        # the sampler uses, measured no faster here: bench/results/trl.md)
+        groups = prefix_groups(input_ids, attention_mask, min_prefix=min_prefix, per_group=False)
     if groups is not None:
         from transformers import DynamicCache
 

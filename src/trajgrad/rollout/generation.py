@@ -433,7 +433,8 @@ class HFBackend:
     def _shared_prefix(self, seqs: List[List[int]], past: List[Optional[RowKV]], min_tokens: int = 8):
         """Rows with nothing cached that share prefixes (a group's prompt, a common system
         prompt; :func:`~trajgrad.model.positions.prefix_groups`): run each distinct prefix
-        once and give its rows its keys and values."""
+        once, each group's as long as its rows share (a GRPO group: its prompt but the last
+        token, whatever the other groups' lengths), and give its rows its keys and values."""
         fresh = [i for i, p in enumerate(past) if p is None]
         if len(fresh) < 2:
             return past
@@ -447,11 +448,14 @@ class HFBackend:
         if groups is None:
             return past
         device = model_device(self.model)
-        head = ids[groups.rows, :groups.length].to(device)
-        ones = torch.ones_like(head)
+        # each group's prefix as long as its rows share, right padded to the longest
+        width = int(groups.lengths.max())
+        head = ids[groups.rows, :width].to(device)
+        head_mask = (torch.arange(width)[None, :] < groups.lengths[:, None]).long().to(device)
         step_fn = _Stepper(self.model, False)
-        step_fn(input_ids=head, attention_mask=ones, position_ids=position_ids_from_attention_mask(ones), cache=None)
-        shared = extract_rows(step_fn.cache, torch.arange(head.shape[0]), ones)
+        step_fn(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_attention_mask(head_mask),
+                cache=None)
+        shared = extract_rows(step_fn.cache, torch.arange(head.shape[0]), head_mask)
         if shared is None:
             return past
         out = list(past)
