@@ -114,6 +114,8 @@ def test_prefix_groups_examples():
     assert g.saved_tokens == 40
     with pytest.raises(ValueError, match="input_ids"):
         prefix_groups(ids, am[:, :3])
+    with pytest.raises(ValueError, match="per_group"):
+        prefix_groups(ids, am, per_group="no")
 
 
 @settings(max_examples=60, deadline=None)

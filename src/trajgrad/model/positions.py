@@ -82,6 +82,8 @@ def prefix_groups(
     if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids: expected [B, T] with an attention_mask of the same shape, got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    if not isinstance(per_group, bool):
+        raise ValueError(f"per_group: expected a bool, got {per_group!r}")
     B, T = input_ids.shape
     if B < 2 or B * B * T > max_elements:
         return None
