@@ -1,10 +1,11 @@
 """Benchmark: the sampler's lean decode step against the model's own forward per token.
 
-``sample_actions(fast_decode=True)`` (rollout/decode.py: preallocated key/value buffers,
-the model's modules called directly) against ``fast_decode=False`` (the Hugging Face
-forward with its dynamic cache for every new token), on the same rows, seed and model,
-alternating the two ``--rounds`` times; the median time of each is reported. Both must
-sample the same tokens (checked) with log-probs within 1e-5.
+``sample_actions(fast_decode=True)`` (model/decode.py: preallocated key/value buffers, the
+fused calls of model/decode_plan.py) against ``fast_decode=False`` (the Hugging Face
+forward with its dynamic cache for every new token) and against the lean step calling each
+module as it is (a plan without stacked weights, functional norms or rotary table), on the
+same rows, seed and model, alternating the three ``--rounds`` times; the median time of
+each is reported. All must sample the same tokens (checked) with log-probs within 1e-5.
 
 Models: the tiny Llama of ``bench_trl.py`` (hidden 128, 2 layers; 64 rows = 8 prompts x
 G = 8) and, with ``--smollm2``, SmolLM2-135M-Instruct + LoRA r=8 (the default preset).
@@ -16,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -24,6 +26,29 @@ import time
 from pathlib import Path
 
 import torch
+
+SIDES = ("forward", "modules", "plan")
+
+
+@contextlib.contextmanager
+def _modules_only():
+    """The lean decode step with a plan that calls every module (the step before DecodePlan)."""
+    from trajgrad.model.decode_plan import DecodePlan
+    from trajgrad.rollout import generation
+
+    def unfused(backbone, max_position=None):
+        plan = DecodePlan(backbone)
+        for layer, p in zip(backbone.layers, plan.layers):
+            p.qkv = p.gate_up = None
+            p.norm_in, p.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        plan.final_norm = backbone.norm
+        return plan
+
+    generation.DecodePlan = unfused
+    try:
+        yield
+    finally:
+        generation.DecodePlan = DecodePlan
 
 
 def _workload(smollm2: bool):
@@ -66,22 +91,24 @@ def main(argv=None):
 
     model, seqs, eos, pad, new, name = _workload(args.smollm2)
     load_before = os.getloadavg()
-    times = {True: [], False: []}
+    times = {side: [] for side in SIDES}
     outs = {}
     for r in range(args.rounds + 1):  # round 0 warms up
-        for fast in (False, True):
+        for side in SIDES:
+            ctx = _modules_only() if side == "modules" else contextlib.nullcontext()
             t0 = time.perf_counter()
-            with torch.no_grad():
-                outs[fast] = sample_actions(model, seqs, eos_ids=eos, pad_id=pad, temperature=1.0, max_new_tokens=new,
-                                            generator=torch.Generator().manual_seed(r), fast_decode=fast)
+            with torch.no_grad(), ctx:
+                outs[side] = sample_actions(model, seqs, eos_ids=eos, pad_id=pad, temperature=1.0, max_new_tokens=new,
+                                            generator=torch.Generator().manual_seed(r), fast_decode=side != "forward")
             if r:
-                times[fast].append(time.perf_counter() - t0)
-        assert [a for a, _, _ in outs[True]] == [a for a, _, _ in outs[False]], "different tokens"
-        dev = max((abs(x - y) for (_, a, _), (_, b, _) in zip(outs[True], outs[False]) for x, y in zip(a, b)),
-                  default=0.0)
-        assert dev < 1e-5, f"log-probs differ by {dev}"
+                times[side].append(time.perf_counter() - t0)
+        for side in SIDES[1:]:
+            assert [a for a, _, _ in outs[side]] == [a for a, _, _ in outs["forward"]], f"{side}: different tokens"
+            dev = max((abs(x - y) for (_, a, _), (_, b, _) in zip(outs[side], outs["forward"]) for x, y in zip(a, b)),
+                      default=0.0)
+            assert dev < 1e-5, f"{side}: log-probs differ by {dev}"
     med = {k: statistics.median(v) for k, v in times.items()}
-    n_tok = sum(len(a) for a, _, _ in outs[True])
+    n_tok = sum(len(a) for a, _, _ in outs["plan"])
     out = args.out or Path(__file__).resolve().parent / "results" / ("decode_smollm2.md" if args.smollm2 else "decode.md")
     lines = [
         f"# Lean decode step vs the model's forward per token ({'SmolLM2' if args.smollm2 else 'tiny model'})",
@@ -90,14 +117,19 @@ def main(argv=None):
         f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M:%S')}; torch "
         f"{torch.__version__}, threads {args.threads}, load average {load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after",
         f"- workload: {name}; {len(seqs)} rows, up to {new} new tokens at temperature 1 ({n_tok} tokens in the last "
-        f"round); median of {args.rounds} alternating rounds",
+        f"round); median of {args.rounds} rounds alternating the three",
         "",
         "| decode | median (s) | rounds (s) |",
         "|---|---:|---|",
-        f"| model forward per token (`fast_decode=False`) | {med[False]:.3f} | "
-        + ", ".join(f"{t:.3f}" for t in times[False]) + " |",
-        f"| lean decode step (`fast_decode=True`) | {med[True]:.3f} | " + ", ".join(f"{t:.3f}" for t in times[True]) + " |",
-        f"| **speed-up** | **{med[False] / med[True]:.2f}x** | same tokens, log-probs within 1e-5 |",
+        f"| model forward per token (`fast_decode=False`) | {med['forward']:.3f} | "
+        + ", ".join(f"{t:.3f}" for t in times["forward"]) + " |",
+        f"| lean decode step, each module called | {med['modules']:.3f} | "
+        + ", ".join(f"{t:.3f}" for t in times["modules"]) + " |",
+        f"| lean decode step with its plan (`fast_decode=True`) | {med['plan']:.3f} | "
+        + ", ".join(f"{t:.3f}" for t in times["plan"]) + " |",
+        f"| **speed-up over the forward** | **{med['forward'] / med['plan']:.2f}x** | same tokens, log-probs within 1e-5 |",
+        f"| **speed-up of the plan over the modules** | **{med['modules'] / med['plan']:.2f}x** | per round: "
+        + ", ".join(f"{m / p:.2f}x" for m, p in zip(times["modules"], times["plan"])) + " |",
         "",
     ]
     text = "\n".join(lines)

@@ -161,7 +161,9 @@ def test_auto_old_logprobs_still_give_the_correction_the_behaviour_logprobs(tmp_
     rows, params = {}, {}
     for mode in ("auto", "recompute"):
         torch.manual_seed(0)
-        cfg = micro("grpo", {"kind": "tis", "cap": 1.1}, train={"steps": 1, "old_logp": mode}, optim={"grad_clip": None})
+        # the tiny model's distributions are nearly flat: pi_old / mu stays within about 10% of 1,
+        # so a cap just above 1 is what some tokens of the batch exceed
+        cfg = micro("grpo", {"kind": "tis", "cap": 1.02}, train={"steps": 1, "old_logp": mode}, optim={"grad_clip": None})
         tr = Trainer(cfg, tmp_path / mode, **QUIET)
         tr.run()
         rows[mode] = _train_rows(tmp_path / mode)[0]
@@ -174,7 +176,7 @@ def test_auto_old_logprobs_still_give_the_correction_the_behaviour_logprobs(tmp_
         assert rows[mode]["mismatch/kl_k1"] == pytest.approx(rows[mode]["correction/kl/k1"], rel=1e-9, abs=1e-12)
         assert rows[mode]["mismatch/kl_k3"] == pytest.approx(rows[mode]["correction/kl/k3"], rel=1e-9, abs=1e-12)
     assert rows["auto"]["correction/weight/mean"] != 1.0
-    assert rows["auto"]["correction/weight/max"] == pytest.approx(1.1)  # tokens with pi_old/mu > 1.1 are capped
+    assert rows["auto"]["correction/weight/max"] == pytest.approx(1.02)  # tokens with pi_old/mu > 1.02 are capped
     assert rows["auto"]["correction/truncated_frac"] > 0
 
 

@@ -373,3 +373,22 @@ def test_select_is_where(dtype):
     buf = torch.full_like(x, 5.0)
     assert select(x, where, out=buf).data_ptr() == buf.data_ptr()
     assert torch.equal(buf, out)
+
+
+@pytest.mark.parametrize("lam", [0.5, 0.9, 1.0])
+def test_huge_finite_bootstrap_that_is_not_read_does_not_overflow_into_the_row(lam):
+    """A finite bootstrap near the float64 maximum, stored where it is not read (the row's last
+    valid step is truncated and padding follows it): the scan divides the offset by lam, and
+    the unread value must not overflow to inf and reach the valid steps as 0 * inf = NaN."""
+    r = torch.tensor([[1.0, -0.5, 2.0, 0.0]], dtype=F64)
+    v = torch.tensor([[0.3, 0.1, -0.2, 0.0]], dtype=F64)
+    mask = torch.tensor([[True, False, True, False]])  # padding inside and after: not right padded
+    trunc = torch.tensor([[False, False, True, False]])
+    tv = torch.tensor([[0.0, 0.0, 0.7, 0.0]], dtype=F64)
+    for gamma in (0.0, 0.9):
+        ref = gae(r, v, gamma=gamma, lam=lam, mask=mask, truncated=trunc, truncation_value=tv)
+        out = gae(r, v, gamma=gamma, lam=lam, mask=mask, truncated=trunc, truncation_value=tv,
+                  bootstrap_value=torch.tensor([1.5e308], dtype=F64))
+        assert torch.isfinite(out.advantages).all() and torch.isfinite(out.returns).all()
+        torch.testing.assert_close(out.advantages, ref.advantages, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.returns, ref.returns, rtol=0, atol=1e-12)

@@ -104,7 +104,9 @@ def test_top_logprobs(served, client):
     assert len(entries) == len(r.choices[0].model_extra["token_ids"])
     for e in entries:
         tops = [t.logprob for t in e.top_logprobs]
-        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0] + 1e-6
+        # the token's value is the sampler's; the alternatives come from a separate forward pass:
+        # the same function within the 1e-5 of the sampler/learner check (§24)
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0] + 1e-5
         assert e.bytes == list(e.token.encode())
 
 

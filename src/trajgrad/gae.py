@@ -247,7 +247,9 @@ def _gae_core(rewards, values, mask, gamma, lam, terminated, truncated, bootstra
             bv = bv.expand(bsz)
         _checks.check_shape("bootstrap_value", bv, (bsz,))
         boot = bv.to(dtype=dtype, device=device)
-        if not _steps.all_finite(boot):
+        # the scan adds bootstrap / lam when lam >= _DIRECT_LAM: there a finite value stored where
+        # it is not read can overflow, and 0 * inf would reach the row's valid steps
+        if not _steps.all_finite(boot / lam if lam >= _DIRECT_LAM else boot):
             # read only where the last valid step of a row continues into it
             read = _last_step_carries(m, carry, shape, device)
             _checks.check_finite("bootstrap_value", boot, read)

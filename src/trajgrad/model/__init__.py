@@ -11,7 +11,8 @@ A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neit
   :mod:`~trajgrad.model.smollm2`: :func:`load_smollm2` (GGUF, de-quantized once and cached);
   :mod:`~trajgrad.model.dtype`: :func:`preferred_dtype`, :func:`resolve_dtype`.
 * :mod:`~trajgrad.model.decode`: :func:`decode_step`, the lean one-token decode step
-  (:class:`KVBuffers`, :func:`fast_backbone`); :mod:`~trajgrad.model.shared_prefix`: its attention
+  (:class:`KVBuffers`, :func:`fast_backbone`); :mod:`~trajgrad.model.decode_plan`: its fused calls
+  (:class:`DecodePlan`); :mod:`~trajgrad.model.shared_prefix`: its attention
   over a group's prompt kept once (:class:`SharedPrefix`); :mod:`~trajgrad.model.kv`: the KV-cache
   argument names and per-row keys/values (:class:`RowKV`).
 * :mod:`~trajgrad.model.learner`: :func:`learner_logprobs`, :func:`head_inputs`,
@@ -33,7 +34,7 @@ _LAZY = {
     "build_tiny_model": "tiny",
     "load_smollm2": "smollm2", "smollm2_gguf_path": "smollm2", "cache_root": "smollm2", "SMOLLM2_PACKAGE": "smollm2",
     "preferred_dtype": "dtype", "resolve_dtype": "dtype",
-    "KVBuffers": "decode", "decode_step": "decode", "fast_backbone": "decode",
+    "KVBuffers": "decode", "decode_step": "decode", "fast_backbone": "decode", "DecodePlan": "decode_plan",
     "SharedPrefix": "shared_prefix", "shared_prefix_attention": "shared_prefix",
     "RowKV": "kv", "cache_kwarg": "kv", "output_cache": "kv",
     "LearnerOutput": "learner", "head_inputs": "learner", "learner_logprobs": "learner",

@@ -5,7 +5,10 @@ CPU most of the time of a Hugging Face forward call goes to its framework (a cau
 built every call, a cache that re-concatenates every layer's keys and values, output
 capture), not to arithmetic. :func:`decode_step` computes the same function of the same
 weights for one new token per row, calling the model's own modules (embedding, RMSNorm,
-the q/k/v/o projections (LoRA-wrapped or not), rotary embedding, MLP, final norm), with
+the q/k/v/o projections (LoRA-wrapped or not), rotary embedding, MLP, final norm) or the
+fewer calls of a :class:`~trajgrad.model.decode_plan.DecodePlan` made from them (q|k|v
+and gate|up stacked into one product each where they are plain linear layers, RMSNorm as
+one functional call, the rotary angles read from a table), with
 
 * keys and values written in place into preallocated buffers (:class:`KVBuffers`,
   capacity fixed when the prompt has been run), and
@@ -40,6 +43,7 @@ from typing import List, Optional
 
 import torch
 
+from .decode_plan import DecodePlan, rope
 from .kv import RowKV
 from .parts import causal_lm
 from .shared_prefix import SharedPrefix, shared_prefix_attention
@@ -152,7 +156,7 @@ class KVBuffers:
 
 @torch.no_grad()
 def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tensor, position: torch.Tensor,
-                attention_mask: torch.Tensor) -> torch.Tensor:
+                attention_mask: torch.Tensor, plan: Optional[DecodePlan] = None) -> torch.Tensor:
     """Run one new token per row; return the final-norm hidden state ``[B, hidden]``.
 
     Args:
@@ -161,35 +165,45 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
       token: ``[B]`` token ids; position: ``[B]`` their position ids.
       attention_mask: ``[B, length + 1]`` (1 = real token, 0 = padding), covering the
         cached tokens and the new one.
+      plan: the layers' calls (:class:`~trajgrad.model.decode_plan.DecodePlan` of this
+        ``backbone``, made with its current weights); ``None`` makes one for this call.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     B = token.shape[0]
     L = buffers.length
     if L >= buffers.capacity:
         raise ValueError(f"buffers: full ({buffers.capacity} tokens); no room for another token")
     if tuple(attention_mask.shape) != (B, L + 1):
         raise ValueError(f"attention_mask: expected shape {(B, L + 1)}, got {tuple(attention_mask.shape)}")
+    if plan is None:
+        plan = DecodePlan(backbone)
+    elif plan.backbone is not backbone:
+        raise ValueError("plan: made for another backbone")
     x = backbone.embed_tokens(token[:, None])
-    cos, sin = backbone.rotary_emb(x, position[:, None])
+    cos, sin = plan.cos_sin(x, position)  # [B, 1, D]: broadcast over the heads of [B, heads, D]
     mask = attention_mask.bool()[:, None, None, :]
     shared, off = buffers.shared, buffers.offset
     if shared is not None:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-    n_layers = getattr(backbone.config, "num_hidden_layers", len(backbone.layers))
-    for i, layer in enumerate(backbone.layers[:n_layers]):
-        attn = layer.self_attn
+    n = L - off  # each row's tokens in the buffers, before the new one
+    for i, (layer, p) in enumerate(zip(backbone.layers, plan.layers)):
+        attn, mlp = layer.self_attn, layer.mlp
         D = attn.head_dim
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(B, 1, -1, D).transpose(1, 2)
-        k = attn.k_proj(h).view(B, 1, -1, D).transpose(1, 2)
-        v = attn.v_proj(h).view(B, 1, -1, D).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         kb, vb = buffers.k[i], buffers.v[i]
-        n = L - off  # this row's tokens in the buffers, before the new one
-        kb[:, :, n:n + 1] = k
-        vb[:, :, n:n + 1] = v
-        H, Hkv = q.shape[1], kb.shape[1]
+        Hkv = kb.shape[1]
+        h = p.norm_in(x)
+        if p.qkv is not None:  # one product, then q and k rotated together: [B, H + 2 H_kv, D]
+            W, b, sizes = p.qkv
+            qkv = torch.nn.functional.linear(h, W, b).view(B, -1, D)
+            H = sizes[0] // D
+            qk = rope(qkv[:, :H + Hkv], cos, sin)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+        else:
+            q = rope(attn.q_proj(h).view(B, -1, D), cos, sin)
+            k = rope(attn.k_proj(h).view(B, -1, D), cos, sin)
+            v = attn.v_proj(h).view(B, -1, D)
+            H = q.shape[1]
+        kb[:, :, n] = k
+        vb[:, :, n] = v
         # the H / H_kv query heads of a key/value group attend as that group's queries
         qg = q.reshape(B, Hkv, H // Hkv, D)
         if shared is None:
@@ -198,6 +212,12 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
         else:
             o = shared_prefix_attention(qg, shared, i, kb[:, :, :n + 1], vb[:, :, :n + 1], bias, attn.scaling)
         x = x + attn.o_proj(o.reshape(B, 1, H * D))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = p.norm_post(x)
+        if p.gate_up is not None:
+            W, b, sizes = p.gate_up
+            g, u = torch.nn.functional.linear(h, W, b).split(sizes, dim=-1)
+            x = x + mlp.down_proj(mlp.act_fn(g) * u)
+        else:
+            x = x + mlp(h)
     buffers.length = L + 1
-    return backbone.norm(x)[:, -1]
+    return plan.final_norm(x)[:, -1]

@@ -8,7 +8,7 @@ action, KV-cached and left padded. Each token is drawn from the *sampling distri
    \mu(v\mid h) = \operatorname{softmax}\big(\texttt{sampling\_logits}(z; T, k, p)\big)_v,
 
 (temperature :math:`T`, then top-k, then top-p, exactly as ``generate()`` warps; see
-:func:`trajgrad.logprobs.sampling_logits`), and its behaviour log-prob
+:func:`trajgrad.logprobs.sampling_logits`; drawn by :func:`draw_tokens`), and its behaviour log-prob
 :math:`\log\mu(x_j\mid x_{<j})` is recorded with the same operations as
 :func:`trajgrad.logprobs.token_logprobs`. The denominator of every importance ratio (§7)
 is therefore the probability of the distribution that actually sampled, and a learner
@@ -46,13 +46,14 @@ import torch
 
 from ..model.build import model_device
 from ..model.decode import KVBuffers, decode_step, fast_backbone
+from ..model.decode_plan import DecodePlan
 from ..model.kv import RowKV, batched_cache, cache_kwarg, cache_layers, empty_row, extract_rows, output_cache
 from ..model.parts import causal_lm
 from ..model.positions import position_ids_from_attention_mask, prefix_groups
 from ..model.shared_prefix import SharedPrefix
 from .chat import end_of_turn_id
 
-__all__ = ["Action", "HFBackend", "RowKV", "SamplingSettings", "sample_actions", "validate_sampling"]
+__all__ = ["Action", "HFBackend", "RowKV", "SamplingSettings", "draw_tokens", "sample_actions", "validate_sampling"]
 
 
 def validate_sampling(temperature, top_k, top_p, max_new_tokens) -> Tuple[float, Optional[int], Optional[float], int]:
@@ -118,7 +119,8 @@ class _Stepper:
     learner that computes its head in float32.
     """
 
-    def __init__(self, model, head_in_float32: bool, extra_capacity: Optional[int] = None):
+    def __init__(self, model, head_in_float32: bool, extra_capacity: Optional[int] = None,
+                 max_position: Optional[int] = None):
         self.model = model
         self.cache_kw = cache_kwarg(model)
         self.cache = None
@@ -127,6 +129,8 @@ class _Stepper:
         # later one-token calls run the lean decode step (Llama models; decode.py)
         self.fast = fast_backbone(model) if extra_capacity is not None else None
         self.extra = extra_capacity
+        # the decode step's fused calls, made from the weights of this sampling call
+        self.plan = DecodePlan(self.fast, max_position) if self.fast is not None else None
         # set by the caller when rows share prefixes: the buffers keep each prefix once
         self.shared: Optional[SharedPrefix] = None
         causal = causal_lm(model)
@@ -143,7 +147,7 @@ class _Stepper:
 
     def __call__(self, *, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         if isinstance(cache, KVBuffers):
-            h = decode_step(self.fast, cache, input_ids[:, 0], position_ids[:, 0], attention_mask)
+            h = decode_step(self.fast, cache, input_ids[:, 0], position_ids[:, 0], attention_mask, plan=self.plan)
             self.cache = cache
             if self.backbone is not None:
                 return torch.nn.functional.linear(h.float(), self.weight, self.bias)
@@ -165,6 +169,28 @@ class _Stepper:
     def _keep(self, cache) -> None:
         layers = cache_layers(cache) if self.fast is not None and self.lm_head is not None else None
         self.cache = KVBuffers(layers, self.extra, shared=self.shared) if layers else cache
+
+
+def draw_tokens(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    r"""One token per row of ``probs`` ``[B, V]``, token :math:`v` with probability
+    :math:`p_{b,v} / \sum_w p_{b,w}`, by the inverse of the cumulative distribution:
+
+    .. math::
+
+       x_b = \min\{\, v : C_{b,v} \ge (1 - u_b)\, C_{b,V-1} \,\}, \qquad
+       C_{b,v} = \sum_{w \le v} p_{b,w}, \quad u_b \sim \mathcal U[0, 1),
+
+    with :math:`C` accumulated in float64. One uniform per row: ``torch.multinomial`` draws
+    one exponential per row *and token* (0.18 to 0.30 ms against 0.04 to 0.08 ms for this on
+    ``64 x 101`` probabilities, one CPU thread). :math:`(1 - u_b) \in (0, 1]`, so the threshold is positive and at
+    most the total: a token of probability zero (removed by top-k / top-p) is never drawn
+    (its :math:`C` equals its predecessor's, which already reaches the threshold) and the
+    index never passes the vocabulary.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    threshold = u.neg_().add_(1.0).mul_(cdf[:, -1:])
+    return torch.searchsorted(cdf, threshold).squeeze(-1)
 
 
 def _model_name(model) -> str:
@@ -269,7 +295,8 @@ def sample_actions(
 
     if not isinstance(fast_decode, bool):
         raise ValueError(f"fast_decode: expected a bool, got {fast_decode!r}")
-    step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None)
+    step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None,
+                       max_position=max(lengths) + max_new_tokens)
     if any(cached) and step_fn.fast is not None:
         # rows given the same RowKV object (a group's prompt) keep its keys/values once
         step_fn.shared = SharedPrefix.from_rows(past_kv, past_mask.shape[1], device)
@@ -293,8 +320,7 @@ def sample_actions(
             token_logp = torch.zeros(token.shape, dtype=torch.float32, device=device)
         else:
             warped = sampling_logits(logits, temperature=t, top_k=top_k, top_p=top_p)
-            probs = torch.softmax(warped, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            token = draw_tokens(torch.softmax(warped, dim=-1), generator)
             # the same operations as token_logprobs: z_y - logsumexp(z) on the warped logits
             token_logp = warped.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(warped, dim=-1)
         tok_list = token.tolist()
