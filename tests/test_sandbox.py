@@ -49,6 +49,20 @@ def temp_entries():
     return set(os.listdir(tempfile.gettempdir()))
 
 
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """The parent's temp dir, made private to one test.
+
+    Other test processes running at the same time create entries in the shared temp dir
+    (torchrun's rendezvous files, for one), so "nothing new there" is only checkable in a
+    directory no one else writes to. The sandbox's own temp files go where `tempfile` says.
+    """
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    return private
+
+
 # --- normal use ---------------------------------------------------------------------------
 
 
@@ -83,7 +97,7 @@ def test_output_before_an_error_is_kept(sandbox):
     assert result == ToolResult("partial\n", "ValueError: bad (line 2)")
 
 
-def test_files_in_the_work_dir_are_allowed_and_private_to_one_run(sandbox):
+def test_files_in_the_work_dir_are_allowed_and_private_to_one_run(sandbox, private_tmp):
     before = temp_entries()
     result = sandbox.run("open('notes.txt', 'w').write('abc')\nopen('notes.txt').read()")
     assert result == ToolResult("'abc'", None)
@@ -498,7 +512,7 @@ def test_concurrent_runs_from_threads(sandbox):
     assert results == [ToolResult(f"{i}\n{i * i}", None) for i in range(6)]
 
 
-def test_parent_is_healthy_after_the_hostile_suite(sandbox):
+def test_parent_is_healthy_after_the_hostile_suite(sandbox, private_tmp):
     before = temp_entries()
     result, elapsed = run_timed(sandbox, "sum(range(101))")
     assert result == ToolResult("5050", None)
