@@ -695,3 +695,28 @@ def test_groups_with_prompts_of_different_lengths_each_share_their_whole_prompt(
     assert [a.ids for a in kept] == [a.ids for a in plain]
     for a, b in zip(kept, plain):
         assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) < 1e-6
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_an_end_token_drawn_at_the_last_step_ends_the_action_uncut(tok, fast_decode):
+    """``cut`` is True only where ``max_new_tokens`` stopped an action before an end token:
+    a row whose last allowed token is an end token is not cut, its neighbours are, and rows
+    that end earlier keep exactly their tokens up to their end token (greedy, so the end
+    tokens are chosen from a first run)."""
+    model = build_tiny_model(tok, hidden_size=64, layers=2, heads=4, seed=3, initializer_range=0.2).eval()
+    texts = ["ab", "hello there", "x" * 25, "9+4", "what is 12*7?", "zq", "a b c d", "42", "tool", "The end."]
+    seqs = [prompt_ids(tok, [{"role": "user", "content": c}]) for c in texts]
+    kw = dict(pad_id=0, temperature=0.0, fast_decode=fast_decode)
+    free = sample_actions(model, seqs, eos_ids=[], max_new_tokens=6, **kw)
+    assert all(len(ids) == 6 and cut for ids, _, cut in free)
+    # a row whose sixth token is new to it goes first; that token is made the end token
+    first = next(i for i, (ids, _, _) in enumerate(free) if ids[5] not in ids[:5])
+    seqs.insert(0, seqs.pop(first))
+    free.insert(0, free.pop(first))
+    ids0 = free[0][0]
+    end = ids0[5]
+    got = sample_actions(model, seqs, eos_ids=[end], max_new_tokens=6, **kw)
+    assert got[0] == (ids0, [0.0] * 6, False)
+    for (ids, _, _), (g_ids, g_lp, g_cut) in zip(free[1:], got[1:]):
+        k = ids.index(end) + 1 if end in ids else 6
+        assert g_ids == ids[:k] and g_lp == [0.0] * k and g_cut == (end not in ids)

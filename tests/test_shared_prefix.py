@@ -7,6 +7,7 @@ from trajgrad.model.decode import KVBuffers
 from trajgrad.model.kv import RowKV
 from trajgrad.model.shared_prefix import SharedPrefix, shared_prefix_attention
 from trajgrad.model.tiny import build_tiny_model
+from trajgrad.rollout import generation
 from trajgrad.rollout.generation import sample_actions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +37,14 @@ def _copy(row: RowKV) -> RowKV:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("sizes", [(4, 4, 4), (3, 1, 4, 2)], ids=["equal", "uneven"])
-def test_shared_rows_sample_what_per_row_copies_sample(tok, name, sizes, monkeypatch):
+@pytest.mark.parametrize("after", [1, 2], ids=["last-token", "two-tokens"])
+def test_shared_rows_sample_what_per_row_copies_sample(tok, name, sizes, after, monkeypatch):
     """Rows handed the same RowKV object decode with the prefix kept once; rows handed copies
     of it decode with per-row caches. Same generator: the same tokens, log-probs within 1e-5
     (the §24 bound; float32 rounding of other kernels, about 4e-6 at these sharp distributions),
-    and the same keys/values handed back for the next turn, also after rows end and are dropped."""
+    and the same keys/values handed back for the next turn, also after rows end and are dropped.
+    With one token after the prefix (a GRPO group: its prompt but the last token shared) that
+    token is a decode step too: no batched copy of the prefixes is built."""
     model = MODELS[name](tok).eval()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(5, 90, (int(n),), generator=g).tolist() for n in (9, 14, 6, 11)[:len(sizes)]]
@@ -48,11 +52,19 @@ def test_shared_rows_sample_what_per_row_copies_sample(tok, name, sizes, monkeyp
     rows, shared_kv, copied_kv = [], [], []
     for p, h, n in zip(prompts, heads, sizes):
         for j in range(n):
-            rows.append(p + [5 + j])  # the prefix, its last token, one more per row
+            # the prefix and its last token (after=1), or one more token per row (after=2)
+            rows.append(p + [5 + j] * (after - 1))
             shared_kv.append(h)
             copied_kv.append(_copy(h))
-    calls = {"shared": 0, "select": 0}
+    calls = {"shared": 0, "select": 0, "batched": 0}
     real_attn, real_select = decode_mod.shared_prefix_attention, SharedPrefix.select
+    real_batched = generation.batched_cache
+
+    def counted_batched(*a, **k):
+        calls["batched"] += 1
+        return real_batched(*a, **k)
+
+    monkeypatch.setattr(generation, "batched_cache", counted_batched)
 
     def counted(*a, **k):
         calls["shared"] += 1
@@ -68,11 +80,12 @@ def test_shared_rows_sample_what_per_row_copies_sample(tok, name, sizes, monkeyp
     eos = list(range(40, 60))
     out = {}
     for key, past in (("shared", shared_kv), ("copied", copied_kv)):
-        before = calls["shared"]
+        before, batched = calls["shared"], calls["batched"]
         with torch.no_grad():
             out[key] = sample_actions(model, rows, eos_ids=eos, pad_id=0, temperature=1.0, max_new_tokens=10,
                                       past_kv=past, return_kv=True, generator=torch.Generator().manual_seed(3))
         assert (calls["shared"] > before) == (key == "shared")
+        assert (calls["batched"] > batched) == (key == "copied" or after > 1)
     assert calls["select"] >= 1  # ended rows were dropped while the prefix was shared
     (ra, kva), (rb, kvb) = out["shared"], out["copied"]
     assert [a for a, _, _ in ra] == [b for b, _, _ in rb]

@@ -125,6 +125,14 @@ class KVBuffers:
             self.v.append(vb)
         self.layers = [_LayerView(self, i) for i in range(len(self.k))]
 
+    @classmethod
+    def after_prefix(cls, shared: SharedPrefix, rows: int, extra: int, dtype: torch.dtype) -> "KVBuffers":
+        """Buffers of ``rows`` rows holding only ``shared``'s prefixes (``length = offset =
+        width``, no token of a row's own yet), with room for ``extra`` tokens in ``dtype``."""
+        layers = [(k[:1].to(dtype).expand(rows, -1, -1, -1), v[:1].to(dtype).expand(rows, -1, -1, -1))
+                  for k, v in zip(shared.k, shared.v)]
+        return cls(layers, extra, shared=shared)
+
     @property
     def capacity(self) -> int:
         return self.offset + int(self.k[0].shape[2])

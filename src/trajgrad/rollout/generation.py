@@ -23,7 +23,8 @@ through :func:`~trajgrad.model.decode.decode_step` for Llama models (preallocate
 key/value buffers, the same function up to float rounding; ``fast_decode=False`` turns it
 off). Rows given the same :class:`~trajgrad.model.kv.RowKV` object as ``past_kv`` (the
 rows of a group, from :class:`HFBackend`'s shared prompt prefix) keep its keys and values
-once (:mod:`~trajgrad.model.shared_prefix`). Rows that have ended stay in the batch,
+once (:mod:`~trajgrad.model.shared_prefix`); where each such row has one token after its
+prefix (a group's prompt but its last token), that token is a decode step as well. Rows that have ended stay in the batch,
 ignored, until a quarter of it has ended.
 
 :class:`HFBackend` is the in-process *action backend* of the episode loop
@@ -193,6 +194,14 @@ def draw_tokens(probs: torch.Tensor, generator: Optional[torch.Generator] = None
     return torch.searchsorted(cdf, threshold).squeeze(-1)
 
 
+def _left_padded_mask(lengths: Sequence[int], device) -> torch.Tensor:
+    """``[B, max(lengths)]``, 1 at the last ``lengths[b]`` columns of row ``b`` (the mask of
+    :func:`~trajgrad.model.kv.batched_cache`)."""
+    width = max(lengths)
+    n = torch.as_tensor(list(lengths), dtype=torch.long)
+    return (torch.arange(width)[None, :] >= width - n[:, None]).long().to(device)
+
+
 def _model_name(model) -> str:
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
     return str(name) if name else type(model).__name__
@@ -283,32 +292,41 @@ def sample_actions(
         new_mask[b, L - n:] = 1
     input_ids = input_ids.to(device)
     new_mask = new_mask.to(device)
+    if not isinstance(fast_decode, bool):
+        raise ValueError(f"fast_decode: expected a bool, got {fast_decode!r}")
+    step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None,
+                       max_position=max(lengths) + max_new_tokens)
     cache = None
     if any(cached):
         like = next(p for p in past_kv if p is not None)
-        cache, past_mask = batched_cache([p if p is not None else empty_row(like) for p in past_kv], device)
+        past_mask = _left_padded_mask(cached, device)
+        if step_fn.fast is not None:
+            # rows given the same RowKV object (a group's prompt) keep its keys/values once
+            step_fn.shared = SharedPrefix.from_rows(past_kv, past_mask.shape[1], device)
+        if step_fn.shared is not None and L == 1:
+            # one token after each prefix (a GRPO group's prompt but its last token): it is a
+            # decode step over the shared prefixes, no batched copy of them is built
+            cache = KVBuffers.after_prefix(step_fn.shared, B, L + max_new_tokens, like.keys[0].dtype)
+        else:
+            cache, _ = batched_cache([p if p is not None else empty_row(like) for p in past_kv], device)
         attention_mask = torch.cat([past_mask, new_mask], dim=1)
     else:
         attention_mask = new_mask
     position_ids = position_ids_from_attention_mask(attention_mask)[:, -L:]
     eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
 
-    if not isinstance(fast_decode, bool):
-        raise ValueError(f"fast_decode: expected a bool, got {fast_decode!r}")
-    step_fn = _Stepper(model, head_in_float32, extra_capacity=max_new_tokens if fast_decode else None,
-                       max_position=max(lengths) + max_new_tokens)
-    if any(cached) and step_fn.fast is not None:
-        # rows given the same RowKV object (a group's prompt) keep its keys/values once
-        step_fn.shared = SharedPrefix.from_rows(past_kv, past_mask.shape[1], device)
     logits = step_fn(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
     past = step_fn.cache
     row_kv: List[Optional[RowKV]] = [None] * B
     want_kv = bool(return_kv) and (hasattr(past, "rows_kv") or cache_layers(past) is not None)
     next_pos = torch.as_tensor(lengths, dtype=torch.long, device=device)
     alive = torch.arange(B, device=device)  # original row of each row still decoding
-    actions: List[List[int]] = [[] for _ in range(B)]
-    logps: List[List[float]] = [[] for _ in range(B)]
-    cut = [False] * B
+    # step j's token and log-prob of original row r at [r, j]; a row's action is its first
+    # ends[r] columns (later columns of a row that has ended, until it is dropped, are unread)
+    drawn = torch.empty((B, max_new_tokens), dtype=torch.long, device=device)
+    drawn_logp: Optional[torch.Tensor] = None
+    ends = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    cut = torch.zeros(B, dtype=torch.bool, device=device)
     can_prune = hasattr(past, "batch_select_indices")
     # rows that ended stay in the batch (their tokens are ignored) until a quarter of it has
     # ended: dropping them from the cache copies every layer, which costs more than decoding them
@@ -323,18 +341,14 @@ def sample_actions(
             token = draw_tokens(torch.softmax(warped, dim=-1), generator)
             # the same operations as token_logprobs: z_y - logsumexp(z) on the warped logits
             token_logp = warped.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(warped, dim=-1)
-        tok_list = token.tolist()
-        lp_list = token_logp.tolist()
+        if drawn_logp is None:
+            drawn_logp = torch.empty((B, max_new_tokens), dtype=token_logp.dtype, device=device)
+        drawn[alive, step] = token
+        drawn_logp[alive, step] = token_logp
         ended = torch.isin(token, eos) & ~finished
-        last = step == max_new_tokens - 1
-        for i, (r, done, end) in enumerate(zip(alive.tolist(), finished.tolist(), ended.tolist())):
-            if done:
-                continue
-            actions[r].append(tok_list[i])
-            logps[r].append(lp_list[i])
-            if last and not end:
-                cut[r] = True
-        if last:
+        ends[alive[ended]] = step + 1
+        if step == max_new_tokens - 1:
+            cut[alive[~(finished | ended)]] = True
             break
         if want_kv and bool(ended.any()):  # the cache holds each of these rows' tokens before its end token
             gone = ended.nonzero().squeeze(-1)
@@ -358,7 +372,8 @@ def sample_actions(
         logits = step_fn(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None], cache=past)
         past = step_fn.cache
         next_pos = next_pos + 1
-    results = [(actions[b], logps[b], cut[b]) for b in range(B)]
+    ids, lps, n = drawn.tolist(), drawn_logp.tolist(), ends.tolist()
+    results = [(ids[b][:n[b]], lps[b][:n[b]], c) for b, c in enumerate(cut.tolist())]
     if not return_kv:
         return results
     if want_kv:
