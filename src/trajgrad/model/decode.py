@@ -6,9 +6,9 @@ built every call, a cache that re-concatenates every layer's keys and values, ou
 capture), not to arithmetic. :func:`decode_step` computes the same function of the same
 weights for one new token per row, calling the model's own modules (embedding, RMSNorm,
 the q/k/v/o projections (LoRA-wrapped or not), rotary embedding, MLP, final norm) or the
-fewer calls of a :class:`~trajgrad.model.decode_plan.DecodePlan` made from them (LoRA
-adapters merged into their layer's weight, q|k|v and gate|up stacked into one product
-each, RMSNorm as one functional call, the rotary angles read from a table), with
+fewer calls of a :class:`~trajgrad.model.decode_plan.DecodePlan` made from them (q|k|v
+and gate|up stacked into one product each where they are plain linear layers, RMSNorm as
+one functional call, the rotary angles read from a table), with
 
 * keys and values written in place into preallocated buffers (:class:`KVBuffers`,
   capacity fixed when the prompt has been run), and
@@ -219,14 +219,12 @@ def decode_step(backbone: torch.nn.Module, buffers: KVBuffers, token: torch.Tens
                 qg, kb[:, :, :n + 1], vb[:, :, :n + 1], attn_mask=mask, scale=attn.scaling)
         else:
             o = shared_prefix_attention(qg, shared, i, kb[:, :, :n + 1], vb[:, :, :n + 1], bias, attn.scaling)
-        o = o.reshape(B, 1, H * D)
-        x = x + (attn.o_proj(o) if p.o is None else torch.nn.functional.linear(o, *p.o))
+        x = x + attn.o_proj(o.reshape(B, 1, H * D))
         h = p.norm_post(x)
         if p.gate_up is not None:
             W, b, sizes = p.gate_up
             g, u = torch.nn.functional.linear(h, W, b).split(sizes, dim=-1)
-            a = mlp.act_fn(g) * u
-            x = x + (mlp.down_proj(a) if p.down is None else torch.nn.functional.linear(a, *p.down))
+            x = x + mlp.down_proj(mlp.act_fn(g) * u)
         else:
             x = x + mlp(h)
     buffers.length = L + 1

@@ -6,23 +6,13 @@ of each, so :class:`DecodePlan` prepares, once per sampling call (the weights ar
 while a batch is sampled), the fewest calls that compute the same function:
 
 * **q | k | v in one product.** Where ``q_proj``, ``k_proj`` and ``v_proj`` are plain
-  ``nn.Linear`` layers or merged LoRA layers (below), their weights are stacked,
+  ``nn.Linear`` layers, their weights are stacked,
   :math:`[q; k; v] = h\,[W_q; W_k; W_v]^\top + [b_q; b_k; b_v]`, the same rows of the same
   products as the three layers. **gate | up** likewise,
   :math:`\mathrm{down}(\mathrm{act}(g) \odot u)` with :math:`[g; u] = h\,[W_g; W_u]^\top`.
   Stacking copies the weights, so it is done only where that copy is small (at most
   :data:`FUSE_MAX_ELEMENTS` elements per stacked matrix; small layers are where a call's
-  fixed cost matters).
-* **LoRA adapters merged.** A projection wrapped by a ``peft`` LoRA adapter computes
-  :math:`h W^\top + s\,(h A^\top) B^\top`; while a batch is sampled the weights are fixed,
-  so the plan computes the same product with one matrix,
-  :math:`h\,(W + s B A)^\top` (the adapter's own ``get_delta_weight``; summed over the
-  active adapters), where that is the module's function: float32 weights, vanilla LoRA (no
-  DoRA or other variant, no LoRA bias), adapters enabled and not merged already, dropout
-  inactive, and the copy small (:data:`FUSE_MAX_ELEMENTS`). The products differ only by
-  float rounding (about 1e-7 relative); the §24 check (sampler and learner log-probs
-  equal within 1e-5) holds. ``o_proj`` and ``down_proj`` use their merged weight too.
-  Other wrapped layers are called as they are.
+  fixed cost matters). Wrapped projections (LoRA adapters) are called as they are.
 * **Rotary embedding on q and k at once** (stacked, as the same elementwise formula),
   :math:`x \cos\theta + \mathrm{rotate\_half}(x) \sin\theta`, with :math:`\cos\theta,
   \sin\theta` read from a table of every position the call can reach, computed by the
@@ -51,60 +41,25 @@ FUSE_MAX_ELEMENTS = 1 << 20
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-Linear = Tuple[torch.Tensor, Optional[torch.Tensor]]
-
-
-def _lora_merged(m) -> Optional[Linear]:
-    """``(W + sum_a s_a B_a A_a, b)`` of a ``peft`` LoRA ``Linear`` whose forward is exactly
-    that product (module docstring), or None."""
-    base = getattr(m, "base_layer", None)
-    if type(base) is not torch.nn.Linear or not callable(getattr(m, "get_delta_weight", None)):
-        return None
-    if getattr(m, "disable_adapters", True) or getattr(m, "merged", True) or base.weight.dtype != torch.float32:
-        return None
-    if base.weight.numel() > FUSE_MAX_ELEMENTS:
-        return None
-    lora_a, lora_b = getattr(m, "lora_A", {}), getattr(m, "lora_B", {})
-    variants, lora_bias = getattr(m, "lora_variant", {}), getattr(m, "lora_bias", {})
-    W = base.weight.detach()
-    with torch.no_grad():
-        for a in getattr(m, "active_adapters", ()):
-            if a not in lora_a:
-                continue  # an adapter without weights on this layer adds nothing
-            drop = m.lora_dropout[a]
-            if a in variants or lora_bias.get(a, False) or (drop.training and getattr(drop, "p", 0.0) > 0):
-                return None
-            if lora_a[a].weight.dtype != torch.float32 or lora_b[a].weight.dtype != torch.float32:
-                return None
-            W = W + m.get_delta_weight(a)
-    return W, None if base.bias is None else base.bias.detach()
-
-
-def _weights(m) -> Optional[Linear]:
-    """``(W, b)`` with ``m(x) == linear(x, W, b)``: a plain ``nn.Linear``'s own tensors, a LoRA
-    layer's merged weight (:func:`_lora_merged`), or None."""
-    if type(m) is torch.nn.Linear:
-        return m.weight.detach(), None if m.bias is None else m.bias.detach()
-    return _lora_merged(m)
+def _plain(*layers) -> bool:
+    return all(type(m) is torch.nn.Linear for m in layers)
 
 
 def _stack(*layers) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], List[int]]]:
-    """``(W, b, sizes)`` of linear layers (plain or merged LoRA) stacked along their outputs, or None."""
-    sizes = [getattr(m, "weight", None) for m in layers]  # a peft layer's is its base layer's
-    if not all(isinstance(w, torch.Tensor) for w in sizes) or sum(w.numel() for w in sizes) > FUSE_MAX_ELEMENTS:
+    """``(W, b, sizes)`` of plain linear layers stacked along their outputs, or None."""
+    if not _plain(*layers):
         return None
-    parts = [_weights(m) for m in layers]
-    if any(p is None for p in parts):
-        return None
-    weights = [w for w, _ in parts]
+    weights = [m.weight for m in layers]
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return None
-    biases = [b for _, b in parts]
+    if sum(w.numel() for w in weights) > FUSE_MAX_ELEMENTS:
+        return None
+    biases = [m.bias for m in layers]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
     with torch.no_grad():
-        W = torch.cat(weights, dim=0)
-        b = None if biases[0] is None else torch.cat(biases, dim=0)
+        W = torch.cat([w.detach() for w in weights], dim=0)
+        b = None if biases[0] is None else torch.cat([x.detach() for x in biases], dim=0)
     return W, b, [int(w.shape[0]) for w in weights]
 
 
@@ -139,9 +94,6 @@ class _Layer:
         self.qkv = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
         gated = type(mlp).__name__ == "LlamaMLP" and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "act_fn"))
         self.gate_up = _stack(mlp.gate_proj, mlp.up_proj) if gated else None
-        # the output projections of a LoRA-wrapped layer, merged (plain layers are called)
-        self.o = _lora_merged(attn.o_proj)
-        self.down = _lora_merged(mlp.down_proj) if self.gate_up is not None else None
 
 
 class DecodePlan:
