@@ -36,15 +36,7 @@ def _modules_only():
     from trajgrad.model.decode_plan import DecodePlan
     from trajgrad.rollout import generation
 
-    def unfused(backbone, max_position=None):
-        plan = DecodePlan(backbone)
-        for layer, p in zip(backbone.layers, plan.layers):
-            p.qkv = p.gate_up = None
-            p.norm_in, p.norm_post = layer.input_layernorm, layer.post_attention_layernorm
-        plan.final_norm = backbone.norm
-        return plan
-
-    generation.DecodePlan = unfused
+    generation.DecodePlan = DecodePlan.modules_only
     try:
         yield
     finally:

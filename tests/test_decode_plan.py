@@ -62,16 +62,6 @@ def _decode_all(model, plan_for, steps=4):
     return torch.stack(out)
 
 
-def _unfused(backbone):
-    """A plan that calls every module as it is (no stacked weights, no rotary table)."""
-    plan = DecodePlan(backbone)
-    for layer, p in zip(backbone.layers, plan.layers):
-        p.qkv = p.gate_up = None
-        p.norm_in, p.norm_post = layer.input_layernorm, layer.post_attention_layernorm
-    plan.final_norm = backbone.norm
-    return plan
-
-
 @pytest.mark.parametrize("name", ["plain", "gqa", "biased", "lora"])
 def test_fused_plan_computes_what_the_modules_compute(tok, name):
     """Stacked q|k|v and gate|up, functional RMSNorm and the rotary table: the same hidden
@@ -86,7 +76,12 @@ def test_fused_plan_computes_what_the_modules_compute(tok, name):
     else:
         model = _lora(build_tiny_model(tok, hidden_size=64, layers=2, heads=4, seed=2, initializer_range=0.2))
     fused = _decode_all(model, lambda bb: DecodePlan(bb, max_position=64))
-    reference = _decode_all(model, _unfused)
+    reference = _decode_all(model, DecodePlan.modules_only)
+    backbone_ = model.get_base_model().model if name == "lora" else model.model
+    ref_plan = DecodePlan.modules_only(backbone_)
+    assert ref_plan.table is None and ref_plan.final_norm is backbone_.norm
+    assert all(p.qkv is None and p.gate_up is None and p.norm_in is layer.input_layernorm
+               for p, layer in zip(ref_plan.layers, backbone_.layers))  # the reference fuses nothing
     torch.testing.assert_close(fused, reference, rtol=0, atol=1e-6)
     backbone = model.get_base_model().model if name == "lora" else model.model
     plan = DecodePlan(backbone, max_position=64)

@@ -121,6 +121,17 @@ class DecodePlan:
                 cos, sin = backbone.rotary_emb(emb[:1, None].detach(), pos)
             self.table = (cos[0], sin[0])  # [positions, head_dim]
 
+    @classmethod
+    def modules_only(cls, backbone, max_position: Optional[int] = None) -> "DecodePlan":
+        """A plan that calls every module as it is: no stacked weights, no functional norm, no
+        rotary table (the reference the fused plan is tested and benchmarked against)."""
+        plan = cls(backbone)
+        for layer, p in zip(backbone.layers, plan.layers):
+            p.qkv = p.gate_up = None
+            p.norm_in, p.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        plan.final_norm = backbone.norm
+        return plan
+
     def cos_sin(self, x: torch.Tensor, position: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[B, 1, head_dim]`` of one new token per row at ``position`` ``[B]``."""
         if self.table is not None and int(position.max()) < self.table[0].shape[0]:
