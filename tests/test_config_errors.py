@@ -79,6 +79,8 @@ CASES = [
     ("top-k-greedy", T + S("sampling.temperature=0", "sampling.top_k=5"), {}, "sampling.top_k"),
     ("sft-lr-without-sft", T + S("sft.steps=0", "sft.lr=0.1"), {}, "sft.lr"),
     ("tries-without-dynamic", T + S("train.dynamic_sampling_max_tries=5"), {}, "train.dynamic_sampling_max_tries"),
+    ("skip-switch-without-effect", T + S("recipe.name=dro", "train.skip_zero_gradient_rows=false"), {},
+     "train.skip_zero_gradient_rows"),
     ("eval-without-evaluation", T + S("eval.after=false", "eval.before=false", "eval.n=10"), {}, "eval.n"),
     ("keep-without-checkpoints", T + S("checkpoint.every=0", "checkpoint.keep=5"), {}, "checkpoint.keep"),
     ("override-dict-eps-low", T + S("recipe.overrides={eps_low: 5}"), {}, "recipe.overrides.eps_low"),

@@ -240,6 +240,39 @@ class Objective:
         return self.estimator.level
 
     @property
+    def zero_without_advantage(self) -> bool:
+        r"""The whole loss of a row with zero advantages is zero with a zero gradient: the
+        term declares it (``PolicyTerm.zero_without_advantage``), no KL term is in the loss
+        (``kl_placement != "loss"``) and no entropy bonus can be (``entropy_coef == 0``,
+        ``entropy_target`` unset). The rollout correction multiplies the term, so it keeps
+        the zero."""
+        return (self.term.zero_without_advantage and self.kl_placement != "loss" and self.entropy_coef == 0
+                and self.entropy_target is None)
+
+    def rows_without_gradient(self, advantages: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        r"""``[B]`` bool: the rows whose loss and gradient are exactly zero, ``None`` when the
+        recipe has a term that does not vanish with the advantage (:attr:`zero_without_advantage`).
+
+        Row :math:`i` qualifies when :math:`A_{it} = 0` at all its action tokens (per-response
+        advantages: :math:`A_i = 0`), or it has none; a GRPO group with one reward for every
+        response is such a set of rows. The value at masked positions is not read (NaN there
+        is ignored); a NaN advantage at an action token keeps the row. With the step's
+        denominator computed over every row, the loss of the other rows alone has the full
+        batch's gradient (§13)."""
+        if not self.zero_without_advantage:
+            return None
+        valid = _checks.check_mask("mask", mask)
+        if valid.ndim != 2:
+            raise ValueError(f"mask: expected [B, L], got shape {tuple(valid.shape)}")
+        if advantages.ndim == 1:
+            _checks.check_shape("advantages", advantages, (valid.shape[0],), against="the mask's rows")
+            moving = (advantages != 0) & valid.any(-1)
+        else:
+            _checks.check_shape("advantages", advantages, tuple(valid.shape), against="mask")
+            moving = (valid & (advantages != 0)).any(-1)
+        return ~moving
+
+    @property
     def eps_high_(self) -> float:
         return self.eps_low if self.eps_high is None else self.eps_high
 

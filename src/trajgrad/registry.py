@@ -77,6 +77,11 @@ class PolicyTerm:
       verify_noise: std of the current-vs-old log-prob gap in ``verify``'s random batches
         (small for terms whose trust region is tiny, so that both sides of it are exercised).
       validate: optional ``validate(objective)`` raising ``ValueError`` naming the field.
+      zero_without_advantage: the term's value and gradient are exactly zero at every token
+        of a row whose advantages are all zero, and a row's term reads only that row's
+        tensors (and the shared denominator). The trainer then runs such rows forward only,
+        without a backward pass (:meth:`Objective.rows_without_gradient`); ``verify`` checks
+        the declaration. False (the default) differentiates every row.
     """
 
     name: str
@@ -91,6 +96,7 @@ class PolicyTerm:
     sequence_advantages: bool = False
     verify_noise: float = 0.3
     validate: Optional[Callable[[Any], None]] = None
+    zero_without_advantage: bool = False
 
     def detached_for(self, objective) -> Tuple[str, ...]:
         return tuple(self.detached(objective)) if callable(self.detached) else tuple(self.detached)
@@ -138,6 +144,10 @@ def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTe
         raise ValueError(f"term.kind: must be one of {TERM_KINDS}, got {term.kind!r}")
     if term.kind == "token" and term.call is None:
         raise ValueError(f"term.call: token term {term.name!r} needs a call(objective, inputs)")
+    if not isinstance(term.zero_without_advantage, bool):
+        raise ValueError(f"term.zero_without_advantage: must be True or False, got {term.zero_without_advantage!r}")
+    if term.zero_without_advantage and term.kind != "token":
+        raise ValueError(f"term.zero_without_advantage: only a token term takes advantages, {term.name!r} is {term.kind}")
     if term.name in POLICY_TERMS and not replace:
         raise ValueError(f"term.name: {term.name!r} is already registered (pass replace=True)")
     POLICY_TERMS[term.name] = term

@@ -3,6 +3,11 @@ r"""The built-in policy terms: one registry entry per core loss (spec §2–§20
 Each entry says which core function computes the term, which ``Objective`` fields it
 reads, which log-probabilities its ratio is taken against, what it detaches, and how
 ``explain`` prints it. See :mod:`trajgrad.registry` for the fields of an entry.
+
+``zero_without_advantage=True`` marks the terms that are the advantage times a function of
+the row's own log-probs, so a row with zero advantages has a zero term and a zero gradient.
+Not DRO (its ``z²`` penalty acts at ``A = 0``), nor Clip-Cov / KL-Cov (their covariances
+are taken over the batch, so every row's log-probs move the other rows' terms).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ def _clip(o):
 
 # ---------------------------------------------------------------------- REINFORCE (§2, §4)
 register_policy_term(PolicyTerm(
-    name="reinforce", fn=losses.reinforce_loss, fields=(), ratio="none", detached=(),
+    name="reinforce", zero_without_advantage=True, fn=losses.reinforce_loss, fields=(), ratio="none", detached=(),
     aggregation="seq_mean_token_sum",
     text=lambda o: "x_it = − A_i · log π_θ(y_it)          (score function, §2/§4; no ratio, on-policy)",
     call=lambda o, x: losses.reinforce_loss(x.logp, x.advantages, x.mask, **x.agg),
@@ -37,7 +42,7 @@ def _ppo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="ppo", fn=losses.ppo_clip_loss, fields=("eps_low", "eps_high", "dual_clip"), ratio="old",
+    name="ppo", zero_without_advantage=True, fn=losses.ppo_clip_loss, fields=("eps_low", "eps_high", "dual_clip"), ratio="old",
     detached=("old log-probs",), aggregation="token_mean", text=_ppo_text,
     call=lambda o, x: losses.ppo_clip_loss(x.logp, x.ratio_logp, x.advantages, x.mask, dual_clip=o.dual_clip,
                                            **_clip(o), **x.agg),
@@ -53,7 +58,7 @@ def _gspo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="gspo", fn=losses.gspo_loss, fields=("eps_low", "eps_high"), ratio="old", detached=("old log-probs",),
+    name="gspo", zero_without_advantage=True, fn=losses.gspo_loss, fields=("eps_low", "eps_high"), ratio="old", detached=("old log-probs",),
     aggregation="seq_mean_token_mean", text=_gspo_text, sequence_advantages=True, verify_noise=2e-3,
     call=lambda o, x: losses.gspo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, **_clip(o), **x.agg),
 ))
@@ -66,7 +71,7 @@ def _gspo_token_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="gspo_token", fn=losses.gspo_token_loss, fields=("eps_low", "eps_high"), ratio="old",
+    name="gspo_token", zero_without_advantage=True, fn=losses.gspo_token_loss, fields=("eps_low", "eps_high"), ratio="old",
     detached=("old log-probs", "the sequence ratio s_i inside s_it"), aggregation="seq_mean_token_mean",
     text=_gspo_token_text, verify_noise=2e-3,
     call=lambda o, x: losses.gspo_token_loss(x.logp, x.ratio_logp, x.advantages, x.mask, **_clip(o), **x.agg),
@@ -93,7 +98,7 @@ def _sapo_validate(o) -> None:
 
 
 register_policy_term(PolicyTerm(
-    name="sapo", fn=losses.sapo_loss, fields=("tau_pos", "tau_neg", "sapo_level"), ratio="old",
+    name="sapo", zero_without_advantage=True, fn=losses.sapo_loss, fields=("tau_pos", "tau_neg", "sapo_level"), ratio="old",
     detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_sapo_text, validate=_sapo_validate,
     call=lambda o, x: losses.sapo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, tau_pos=o.tau_pos,
                                        tau_neg=o.tau_neg, level=o.sapo_level, **x.agg),
@@ -112,7 +117,7 @@ def _sao_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="sao", fn=losses.sao_dis_loss, fields=("eps_low", "eps_high", "ratio_gradient"), ratio="behaviour",
+    name="sao", zero_without_advantage=True, fn=losses.sao_dis_loss, fields=("eps_low", "eps_high", "ratio_gradient"), ratio="behaviour",
     detached=lambda o: ("rollout log-probs",) + (("the trusted ratio weight",) if o.ratio_gradient == "detached" else ()),
     aggregation="token_mean", text=_sao_text, verify_noise=0.6,
     call=lambda o, x: losses.sao_dis_loss(x.logp, x.ratio_logp, x.advantages, x.mask, ratio_gradient=o.ratio_gradient,
@@ -168,7 +173,7 @@ def _vespo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="vespo", fn=losses.vespo_loss, fields=(), ratio="old", detached=("old log-probs", "the weight φ(w_i)"),
+    name="vespo", zero_without_advantage=True, fn=losses.vespo_loss, fields=(), ratio="old", detached=("old log-probs", "the weight φ(w_i)"),
     aggregation="token_mean", text=_vespo_text,
     call=lambda o, x: losses.vespo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, **x.agg),
 ))
@@ -194,7 +199,7 @@ def _cispo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="cispo", fn=losses.cispo_loss, fields=("eps_high", "weight_eps_low"), ratio="old",
+    name="cispo", zero_without_advantage=True, fn=losses.cispo_loss, fields=("eps_high", "weight_eps_low"), ratio="old",
     detached=("old log-probs", "the clipped IS weight"), aggregation="token_mean", text=_cispo_text,
     call=lambda o, x: losses.cispo_loss(x.logp, x.ratio_logp, x.advantages, x.mask,
                                         eps_low=None if o.weight_eps_low >= 1 else o.weight_eps_low,
@@ -212,7 +217,7 @@ def _gmpo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="gmpo", fn=losses.gmpo_loss, fields=("log_clip_low", "log_clip_high"), ratio="old",
+    name="gmpo", zero_without_advantage=True, fn=losses.gmpo_loss, fields=("log_clip_low", "log_clip_high"), ratio="old",
     detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_gmpo_text, sequence_advantages=True,
     call=lambda o, x: losses.gmpo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_low=o.log_clip_low,
                                        clip_high=o.log_clip_high, **x.agg),
@@ -235,14 +240,14 @@ def _dppo_text(kind):
 
 
 register_policy_term(PolicyTerm(
-    name="dppo_tv", fn=losses.dppo_tv_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"), ratio="old",
+    name="dppo_tv", zero_without_advantage=True, fn=losses.dppo_tv_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"), ratio="old",
     detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
     text=_dppo_text("tv"), verify_noise=0.6,
     call=lambda o, x: losses.dppo_tv_loss(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
                                           delta_high=o.delta_high, ratio_cap=o.dppo_ratio_cap, **x.agg),
 ))
 register_policy_term(PolicyTerm(
-    name="dppo_kl", fn=losses.dppo_kl_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"),
+    name="dppo_kl", zero_without_advantage=True, fn=losses.dppo_kl_loss, fields=("delta_low", "delta_high", "dppo_ratio_cap"),
     ratio="old", detached=("old log-probs", "the ratio weight", "the trust-region mask"), aggregation="token_mean",
     text=_dppo_text("kl"), verify_noise=0.6,
     call=lambda o, x: losses.dppo_kl_loss(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,

@@ -163,6 +163,10 @@ class LoopConfig(_Strict):
         "auto", description="auto: a single on-policy epoch uses the update pass's own detached log-probs "
         "(identical to a recompute); recompute: a separate no-grad pass; behaviour: the sampler's records")
     dynamic_sampling_max_tries: int = Field(3, ge=1)
+    skip_zero_gradient_rows: bool = Field(
+        True, description="rows whose loss and gradient are exactly zero (all advantages 0 under a policy term that "
+        "vanishes with them, no KL or entropy term in the loss) run forward only, without a backward pass: the same "
+        "update, metrics and logs; false differentiates every row")
     keep_freed_mb: int = Field(512, ge=0, description="MiB of freed memory the process keeps for the next step "
                                "(glibc mallopt; train/allocator.py); 0 = the C library's defaults")
 

@@ -475,6 +475,9 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
          "has no effect: eval.before, eval.after and eval.every turn every evaluation off",
          ("eval.before", "eval.after", "eval.every")),
         ("checkpoint.keep", cfg.checkpoint.every == 0, "has no effect when checkpoint.every is 0 (no checkpoints)", ()),
+        ("train.skip_zero_gradient_rows", obj.kind != "token" or not obj.zero_without_advantage,
+         f"has no effect: recipe {obj.name!r} has a term that does not vanish with the advantage "
+         "(or no token-level policy loss)", ()),
         ("train.dynamic_sampling_max_tries", not obj.dynamic_sampling,
          f"has no effect: recipe {obj.name!r} has no dynamic sampling", ()),
     ]

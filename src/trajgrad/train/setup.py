@@ -92,6 +92,7 @@ def build_learner(cfg: Config, objective: Objective):
                       micro_batch_size=cfg.train.micro_batch_size,
                       temperature=s.temperature if s.temperature > 0 else 1.0, top_k=s.top_k, top_p=s.top_p,
                       grad_clip=cfg.optim.grad_clip, epochs_per_batch=cfg.train.epochs_per_batch,
+                      skip_zero_gradient_rows=cfg.train.skip_zero_gradient_rows,
                       critic_updates=cfg.critic.updates or objective.critic_updates,
                       value_head=value_head, critic_optimizer=critic_optimizer,
                       reference=build_reference(cfg, tokenizer) if objective.uses_reference else None)

@@ -61,6 +61,7 @@ class LearnerState:
     top_p: Optional[float]
     grad_clip: Optional[float]
     epochs_per_batch: int = 1
+    skip_zero_gradient_rows: bool = True
     critic_updates: int = 0
     value_head: Optional[ValueHead] = None
     critic_optimizer: Optional[torch.optim.Optimizer] = None
@@ -78,6 +79,43 @@ def micro_batches(n: int, size: int) -> List[List[int]]:
     if fsdp.active():
         return fsdp.micro_batch_plan(n, size)
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def forward_only_plan(st: "LearnerState", obj: Objective, advantages: torch.Tensor, mask: torch.Tensor
+                      ) -> Tuple[List[List[int]], int]:
+    r"""The step's micro-batches and how many of them, first, are differentiated.
+
+    Rows whose loss and gradient are exactly zero (:meth:`Objective.rows_without_gradient`:
+    zero advantages under a term that vanishes with them, e.g. a GRPO group with one reward)
+    go last, in micro-batches run forward only, without a graph: their log-probs, entropies
+    and loss metrics are computed and logged as before, and the backward pass skips them.
+    The step's denominator still counts them, so the gradient is the full batch's. Every row
+    is differentiated when none, or all, qualify (with none differentiated, the optimizer would
+    see no gradient instead of zero ones), under FSDP (every rank runs the same passes), and
+    with ``st.skip_zero_gradient_rows`` off.
+    """
+    n = mask.shape[0]
+    free = None
+    if st.skip_zero_gradient_rows and not fsdp.active():
+        free = obj.rows_without_gradient(advantages, mask)
+    if free is None or not bool(free.any()) or bool(free.all()):
+        mbs = micro_batches(n, st.micro_batch_size)
+        return mbs, len(mbs)
+    rows = free.tolist()
+    moving = [i for i in range(n) if not rows[i]]
+    still = [i for i in range(n) if rows[i]]
+    size = st.micro_batch_size
+    graded = [moving[i:i + size] for i in range(0, len(moving), size)]
+    return graded + [still[i:i + size] for i in range(0, len(still), size)], len(graded)
+
+
+def in_batch_order(parts: List[torch.Tensor], mbs: List[List[int]]) -> torch.Tensor:
+    """Per-micro-batch rows concatenated back into the batch's row order."""
+    out = torch.cat(parts, 0)
+    order = [i for idx in mbs for i in idx]
+    if order == list(range(len(order))):
+        return out
+    return out[torch.argsort(torch.as_tensor(order, device=out.device))]
 
 
 def global_denominator(masks, mode: str, constant=None) -> torch.Tensor:
@@ -251,6 +289,11 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     ``behaviour`` given, ``mismatch/turn{k}/kl_k1|kl_k3`` are the sampler–learner mismatch
     per turn, from the first epoch's log-probs (the weights that sampled, in the synchronous
     loop), logged with the correction off too. Metrics of the loss are means over the epochs.
+
+    Rows with zero loss and gradient (zero advantages under a term that vanishes with them;
+    :func:`forward_only_plan`) run last and forward only: the same parameter update, metrics
+    and per-token log, without their backward pass. ``update/forward_only_frac`` is the
+    fraction of rows run so.
     """
     obj = step_objective(st)
     mask = batch.action_mask
@@ -260,7 +303,7 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     if adaptive and (st.top_k is not None or (st.top_p is not None and st.top_p < 1.0)):
         raise ValueError("entropy_target: the entropy is measured for sampling without top_k/top_p "
                          f"(got top_k={st.top_k}, top_p={st.top_p})")
-    mbs = micro_batches(len(batch), st.micro_batch_size)
+    mbs, n_graded = forward_only_plan(st, obj, advantages, mask)
     den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
     params = st.trainable()
     with_entropy = obj.entropy_coef > 0
@@ -275,14 +318,16 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     for _epoch in range(st.epochs_per_batch):
         st.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        for idx in mbs:
+        for k, idx in enumerate(mbs):
             mb = batch.select(idx)
             first = old_logp is None
-            if with_entropy:
-                lp, ent = logprobs_with_entropy(st, mb)
-            else:
-                out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
-                lp, ent = out.logp.double(), out.entropy
+            graded = k < n_graded  # the rest are rows with zero loss and gradient: forward only
+            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
+                if with_entropy:
+                    lp, ent = logprobs_with_entropy(st, mb)
+                else:
+                    out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
+                    lp, ent = out.logp.double(), out.entropy
             if adaptive and _epoch == 0:
                 ent_sum += float(torch.where(mb.action_mask.bool(), ent.detach().double(), 0.0).sum())
             if first:
@@ -291,13 +336,15 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             if _epoch == 0:
                 first_logp.append(lp.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
-            res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
-                                  behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
-                                  ref_logp=None if ref_logp is None else ref_logp[idx],
-                                  entropy=ent if with_entropy else None, denominator=den)
+            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
+                res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
+                                      behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
+                                      ref_logp=None if ref_logp is None else ref_logp[idx],
+                                      entropy=ent if with_entropy else None, denominator=den)
             if rec is not None and lp.requires_grad:
                 lp.retain_grad()
-            res.loss.backward()
+            if graded:
+                res.loss.backward()
             if rec is not None:
                 rec.add(obj, mb, idx, lp, ent, advantages[idx], old_mb,
                         None if behaviour_logp is None else behaviour_logp[idx], epoch=_epoch)
@@ -308,17 +355,19 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
             acc.values["grad_norm"] = grad_norm
     metrics = acc.values
     metrics["loss"] = loss_total
+    metrics["update/forward_only_frac"] = sum(len(i) for i in mbs[n_graded:]) / max(len(batch), 1)
     if adaptive:
         metrics.update(adapt_entropy_coef(st, obj, ent_sum, float(mask.sum())))
     if rc:
         # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
-        target = old_logp if (old_logp is not None and rc.mode == "decoupled") else torch.cat(first_logp, 0)
+        target = old_logp if (old_logp is not None and rc.mode == "decoupled") else in_batch_order(first_logp, mbs)
         metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
     if behaviour is not None and first_logp:
         # the first epoch's log-probs are those of the weights before the step (pi_old)
-        metrics.update(mismatch_by_turn(torch.cat(first_logp, 0), behaviour, mask, batch.turn_ids))
+        metrics.update(mismatch_by_turn(in_batch_order(first_logp, mbs), behaviour, mask, batch.turn_ids))
     if seen_logp and behaviour is not None:
-        metrics.update(sampler_learner_metrics(torch.cat(seen_logp, 0), behaviour, torch.cat(seen_ent, 0), mask))
+        metrics.update(sampler_learner_metrics(in_batch_order(seen_logp, mbs), behaviour,
+                                               in_batch_order(seen_ent, mbs), mask))
     return metrics
 
 

@@ -19,6 +19,10 @@ observation span, right padding):
 ``long_sequence``   4,096-token responses whose log-ratios sum past float64's exp range: loss
                     and gradient stay finite and equal to the reference (a sequence weight
                     formed as exp(Σ) overflows)
+``zero_rows``       only for a recipe whose term declares ``zero_without_advantage`` (the trainer
+                    then runs such rows forward only): rows with zero advantages get exactly zero
+                    gradient, and with ``denominator=`` the other rows alone give the same loss
+                    and gradient
 ``micro_batches``   with ``denominator=``: micro-batch losses with a global denominator sum to
                     the full-batch loss and gradient (§13)
 ``ranks_average``   without ``denominator=``: what data-parallel training computes, the mean
@@ -47,6 +51,7 @@ NOTES = {
     "zero_advantage": "all-zero advantages give zero gradient",
     "off_policy": "far off-policy batch (log-ratio std 1.5)",
     "long_sequence": "4,096-token responses, log-ratio sums beyond exp's range",
+    "zero_rows": "rows with zero advantages: zero gradient; the other rows alone give the same loss and gradient",
     "micro_batches": "sum of micro-batch losses with a global denominator",
     "ranks_average": "mean over 2 unequal ranks of per-rank losses (no denominator=: normalized per rank)",
 }
@@ -123,6 +128,8 @@ def verify_policy(
     dist_check = "micro_batches" if has_den else "ranks_average"
     names = ["value", "gradient", "ratio_one", "masked_nan", "masked_grad", "padding", "zero_advantage",
              "off_policy", "long_sequence", dist_check]
+    if recipe.zero_without_advantage:
+        names.append("zero_rows")
     dev: Dict[str, float] = {k: 0.0 for k in names}
     ok: Dict[str, bool] = {k: True for k in names}
     errors: Dict[str, str] = {}
@@ -187,6 +194,8 @@ def verify_policy(
                 total = sum(o[0] for o in outs) * scale
                 grads = torch.cat([o[1] for o in outs], 0) * scale
                 record(dist_check, max(_maxdev(total, v), _maxdev(grads, g)), tol(g) + tol(v))
+        if B >= 2 and "zero_rows" in names:
+            _zero_rows_check(loss_fn, recipe, batch, has_den, attempt, record, tol)
     far = _batch(gen, 6, 40, recipe, include_kl)
     far["old_logp"] = (far["logp"] + 1.5 * torch.randn(far["logp"].shape, generator=gen, dtype=F64)).clamp(max=-1e-6)
     got = attempt("off_policy", lambda: _call(loss_fn, far))
@@ -208,6 +217,29 @@ def verify_policy(
         detail = NOTES[name] + (f" ({errors[name]})" if name in errors else "")
         report.checks.append(Check(name, bool(ok[name]), dev[name], detail))
     return report
+
+
+def _zero_rows_check(loss_fn, recipe, batch, has_den, attempt, record, tol) -> None:
+    """Every other row's advantages set to zero (at least one row keeps its own)."""
+    B = batch["mask"].shape[0]
+    still = torch.arange(B) % 2 == 0
+    adv = batch["advantages"].clone()
+    adv[still] = 0.0
+    zb = dict(batch, advantages=adv)
+    kw = {}
+    if has_den:
+        kw["denominator"] = Normalizer.from_masks([batch["mask"]], recipe.aggregation, constant=None).denominator()
+    full = attempt("zero_rows", lambda: _call(loss_fn, zb, **kw))
+    if full is None:
+        return
+    v, g = full
+    d = float(g[still].abs().max())
+    if has_den:
+        part = attempt("zero_rows", lambda: _call(loss_fn, {k: x[~still] for k, x in zb.items()}, **kw))
+        if part is None:
+            return
+        d = max(d, _maxdev(part[0], v), _maxdev(part[1], g[~still]))
+    record("zero_rows", d, tol(g) + tol(v))
 
 
 def call_kwargs(include_kl: bool) -> Dict[str, Any]:  # pragma: no cover - documentation helper
