@@ -57,6 +57,12 @@ def leaf(*xs):
     return [None if x is None else x.clone().requires_grad_(True) for x in xs]
 
 
+# random small cases: sizes, chunking over positions and the vocabulary, bias, temperature
+CASES = dict(seed=st.integers(0, 10_000), B=st.integers(1, 3), L=st.integers(1, 9), H=st.integers(1, 6),
+             V=st.integers(1, 13), chunk=st.integers(1, 8), vchunk=st.one_of(st.none(), st.integers(1, 7)),
+             with_bias=st.booleans(), temperature=st.sampled_from([0.5, 1.0, 2.3]))
+
+
 # ---------------------------------------------------------------------------------------
 # hand-derived values and gradients
 # ---------------------------------------------------------------------------------------
@@ -117,18 +123,7 @@ def test_gradients_match_hand_derivation():
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    seed=st.integers(0, 10_000),
-    B=st.integers(1, 3),
-    L=st.integers(1, 9),
-    H=st.integers(1, 6),
-    V=st.integers(1, 13),
-    chunk=st.integers(1, 8),
-    vchunk=st.one_of(st.none(), st.integers(1, 7)),
-    with_bias=st.booleans(),
-    temperature=st.sampled_from([0.5, 1.0, 2.3]),
-    use_mask=st.booleans(),
-)
+@given(**CASES, use_mask=st.booleans())
 def test_logprobs_and_entropy_equal_naive(seed, B, L, H, V, chunk, vchunk, with_bias, temperature, use_mask):
     h, w, b, y, mask = make_case(seed, B, L, H, V, with_bias)
     mask = mask if use_mask else None
@@ -492,3 +487,51 @@ def test_kl_sweeps_over_several_vocabulary_blocks_equal_naive(kind, with_bias, m
     ps, pt, ls, lt = ps.detach(), pt.detach(), ls.detach(), lt.detach()
     analytic = (ps - pt) if kind == "forward_kl" else ps * (ls - lt - ref.detach()[:, None])
     assert torch.allclose(gz, omega[:, None] * analytic, rtol=1e-10, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------
+# log-probs with the entropy read off the same logits (with_entropy=True)
+# ---------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(**CASES, trainable=st.sampled_from(["all", "hidden", "none"]))
+def test_logprobs_with_entropy_equal_both_calls_and_the_same_gradient(seed, B, L, H, V, chunk, vchunk, with_bias,
+                                                                      temperature, trainable):
+    h, w, b, y, mask = make_case(seed, B, L, H, V, with_bias)
+    h_in = h.clone()
+    h_in[~mask] = float("nan")  # masked hidden rows are never read
+    # "hidden": a frozen head (the eager path of LoRA training); "none": under no_grad
+    if trainable == "all":
+        p, q = leaf(h_in, w, b), leaf(h_in, w, b)
+    elif trainable == "hidden":
+        p, q = leaf(h_in) + [w, b], leaf(h_in) + [w, b]
+    else:
+        p, q = [h_in, w, b], [h_in, w, b]
+    kw = dict(temperature=temperature, chunk_size=chunk, mask=mask, vocab_chunk_size=vchunk)
+    with torch.set_grad_enabled(trainable != "none"):
+        lp, ent = fused_token_logprobs(p[0], p[1], y, bias=p[2], with_entropy=True, **kw)
+        lp_alone = fused_token_logprobs(q[0], q[1], y, bias=q[2], **kw)
+    assert not ent.requires_grad and ent.shape == (B, L)
+    assert torch.allclose(ent, naive_entropy(h, w, b, temperature, mask), atol=1e-12, rtol=1e-12)
+    assert torch.equal(ent, fused_entropy(h_in, w, bias=b, **kw)) or torch.allclose(
+        ent, fused_entropy(h_in, w, bias=b, **kw), atol=1e-13, rtol=1e-12)
+    assert (ent[~mask] == 0).all() and torch.isfinite(ent).all()
+    assert torch.equal(lp, lp_alone)
+    if trainable != "none":
+        params = [x for x in p if x is not None and x.requires_grad]
+        params_alone = [x for x in q if x is not None and x.requires_grad]
+        for g1, g2 in zip(grads(lp, params), grads(lp_alone, params_alone)):
+            assert torch.equal(g1, g2)  # the extra sweep leaves the log-prob's gradient exactly as it was
+
+
+def test_logprobs_with_entropy_float32_close_to_float64_at_a_large_vocabulary():
+    h, w, b, y, mask = make_case(4, 2, 6, 16, 50_000, True)
+    _, e64 = fused_token_logprobs(h, w, y, bias=b, mask=mask, with_entropy=True)
+    _, e32 = fused_token_logprobs(h.float(), w.float(), y, bias=b.float(), mask=mask, with_entropy=True)
+    assert e32.dtype == torch.float32
+    assert torch.allclose(e32.double(), e64, atol=2e-5, rtol=1e-5)
+
+
+def test_with_entropy_must_be_a_bool():
+    h, w, b, y, mask = make_case(0, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="with_entropy"):
+        fused_token_logprobs(h, w, y, with_entropy="yes")

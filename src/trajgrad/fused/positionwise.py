@@ -33,8 +33,18 @@ def _fold_onehot(G: torch.Tensor, y: torch.Tensor, v0: int, v1: int) -> None:
         G[inside, y[inside] - v0] -= 1.0
 
 
+def _expected_logit(z: torch.Tensor, lse: torch.Tensor, tmp) -> torch.Tensor:
+    r""":math:`\sum_v \pi_{n,v} z_{n,v}` per row, :math:`\pi = e^{z - \operatorname{lse}}`, one block of
+    :data:`_SWEEP` columns at a time in ``tmp(0, w)`` (``z`` is left as it is)."""
+    total = z.new_zeros(z.shape[0])
+    for v0, v1 in _chunks(z.shape[1], _SWEEP):
+        p = torch.sub(z[:, v0:v1], lse, out=tmp(0, v1 - v0)).exp_()
+        total.add_(_row_dot(p, z[:, v0:v1]))
+    return total
+
+
 class _PositionwiseFn(torch.autograd.Function):
-    """Chunked log-prob (``kind='logprob'``) or entropy (``kind='entropy'``) per position.
+    r"""Chunked log-prob (``kind='logprob'``) or entropy (``kind='entropy'``) per position.
 
     Sign convention inside: ``G = -(d out / d z)``, i.e. ``p - onehot(y)`` for log-probs
     and ``p (log p + H)`` for entropies.
@@ -43,10 +53,14 @@ class _PositionwiseFn(torch.autograd.Function):
     vocabulary is one block. Then the per-row factor :math:`a_n = -(G_n W)/T` is formed in
     the forward pass (one extra product there) and the backward pass is a row scaling, with
     no recomputation: two matrix products in total, as for the naive path.
+
+    ``with_entropy`` (log-probs only): also return each position's entropy
+    :math:`\operatorname{lse} - \sum_v \pi_v z_v`, read off the same logits in the forward
+    pass (no gradient).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows, kind, inv_t, chunk, vchunk, eager):
+    def forward(ctx, hidden, weight, bias, targets, rows, kind, inv_t, chunk, vchunk, eager, with_entropy=False):
         cdt = _compute_dtype(hidden.dtype)
         dev = hidden.device
         V = weight.shape[0]
@@ -59,6 +73,7 @@ class _PositionwiseFn(torch.autograd.Function):
         out = torch.zeros(hidden.shape[0], dtype=cdt, device=dev)
         lse_all = torch.zeros(n_rows, dtype=cdt, device=dev)
         factor = torch.zeros(n_rows, hidden.shape[1], dtype=cdt, device=dev) if eager else None
+        ent = torch.zeros(hidden.shape[0], dtype=cdt, device=dev) if with_entropy else None
         for a, b in _chunks(n_rows, chunk):
             r = rows[a:b]
             n = r.numel()
@@ -71,6 +86,8 @@ class _PositionwiseFn(torch.autograd.Function):
                     lse1 = _log_partition(z, lambda i, w, n=n: sweep.get(i, n, w))
                     lse = lse1.squeeze(1)
                     val = zy - lse
+                    if ent is not None:
+                        ent[r] = lse - _expected_logit(z, lse1, lambda i, w, n=n: sweep.get(i, n, w))
                     if eager:
                         G = _probs_(z, lse1)                          # in place: z is not needed again
                         _fold_onehot(G, y, 0, V)
@@ -97,20 +114,26 @@ class _PositionwiseFn(torch.autograd.Function):
                     scale = torch.exp(m - m_new)                      # 0 on the first block
                     eb = torch.sub(zb, m_new, out=work.get(1, n, v1 - v0)).exp_()
                     s = s * scale + eb.sum(-1, keepdim=True)
-                    if kind == "entropy":
+                    if kind == "entropy" or ent is not None:
                         t = t * scale.squeeze(1) + _row_dot(eb, zb)
                     m = m_new
                 lse = (m + s.log()).squeeze(1)
                 val = zy - lse if kind == "logprob" else lse - t / s.squeeze(1)
+                if ent is not None:
+                    ent[r] = lse - t / s.squeeze(1)
             lse_all[a:b] = lse
             out[r] = val
         ctx.save_for_backward(hidden, weight, bias, targets, rows, lse_all, out, factor)
         ctx.cfg = (kind, inv_t, chunk, step, cdt, eager)
-        return out.to(hidden.dtype)
+        if ent is None:
+            return out.to(hidden.dtype)
+        ent = ent.to(hidden.dtype)
+        ctx.mark_non_differentiable(ent)
+        return out.to(hidden.dtype), ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_entropy):
         hidden, weight, bias, targets, rows, lse_all, out, factor = ctx.saved_tensors
         kind, inv_t, chunk, step, cdt, eager = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -121,7 +144,7 @@ class _PositionwiseFn(torch.autograd.Function):
         if eager:
             if gh is not None:
                 gh.index_copy_(0, rows, factor * grad_out.index_select(0, rows)[:, None])
-            return (None if gh is None else gh.to(hidden.dtype),) + (None,) * 9
+            return (None if gh is None else gh.to(hidden.dtype),) + (None,) * 10
         single = step >= V
         gw = None
         if need_w:   # with one vocabulary block the first chunk assigns it (no zero fill)
@@ -163,7 +186,7 @@ class _PositionwiseFn(torch.autograd.Function):
         return (None if gh is None else gh.to(hidden.dtype),
                 None if gw is None else gw.to(weight.dtype),
                 None if gb is None else gb.to(bias.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _eager_hidden_only(hidden, weight, bias) -> bool:
@@ -196,7 +219,8 @@ def fused_token_logprobs(
     chunk_size: Union[int, str] = "auto",
     mask: Optional[torch.Tensor] = None,
     vocab_chunk_size: Optional[int] = None,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+):
     r"""Log-probabilities of ``targets`` from hidden states, never holding ``[B, L, V]`` logits.
 
     .. math::
@@ -234,11 +258,18 @@ def fused_token_logprobs(
         output 0, zero gradient, NaN in their hidden rows never read).
       vocab_chunk_size: optional block size over the vocabulary (online log-sum-exp; see
         the module docstring). ``None`` = the whole vocabulary at once.
+      with_entropy: also return the entropy :math:`\mathcal H_n = \operatorname{lse}(z_n) -
+        \sum_v \pi_{n,v} z_{n,v}` of every position, read off the forward pass's logits
+        (one more sweep over them, no extra matrix product), *without* a gradient; for a
+        differentiable entropy use :func:`fused_entropy`.
 
     Returns:
       ``targets``-shaped log-probabilities in ``hidden``'s dtype (statistics are formed in
-      float32 at least), 0 at masked positions.
+      float32 at least), 0 at masked positions; with ``with_entropy``, ``(logp, entropy)``,
+      the entropies of the same shape, detached, 0 at masked positions.
     """
+    if not isinstance(with_entropy, bool):
+        raise ValueError(f"with_entropy: must be True or False, got {with_entropy!r}")
     hidden_t = _checks.as_tensor("hidden", hidden)
     _checks.check_ndim("hidden", hidden_t, (2, 3))
     targets = _checks.as_tensor("targets", targets)
@@ -256,7 +287,9 @@ def fused_token_logprobs(
             raise ValueError(f"targets: values must lie in [0, {V}) at valid positions, found {bad}")
     chunk = resolve_chunk_size(chunk_size, vchunk, "logprob", h2.dtype)
     out = _PositionwiseFn.apply(h2, weight, bias, y, rows, "logprob", 1.0 / float(temperature),
-                                chunk, vchunk, _eager_hidden_only(h2, weight, bias))
+                                chunk, vchunk, _eager_hidden_only(h2, weight, bias), with_entropy)
+    if with_entropy:
+        return out[0].reshape(targets.shape), out[1].reshape(targets.shape)
     return out.reshape(targets.shape)
 
 

@@ -152,8 +152,12 @@ def learner_logprobs(
     targets = input_ids[:, 1:]
     mask = action_mask.bool()
     t = max(float(temperature), 1e-8) if temperature and temperature > 0 else 1.0
+    ent = None
     if top_k is None and (top_p is None or top_p >= 1.0):
-        logp = fused_token_logprobs(h32, weight, targets, bias=bias, temperature=t, chunk_size=chunk_size, mask=mask)
+        # the entropy, when wanted, is read off the same logits (no second pass over the head)
+        res = fused_token_logprobs(h32, weight, targets, bias=bias, temperature=t, chunk_size=chunk_size, mask=mask,
+                                   with_entropy=bool(want_entropy))
+        logp, ent = res if want_entropy else (res, None)
     else:
         idx = mask.nonzero(as_tuple=True)
         rows = h32[idx]  # [N, H]
@@ -162,8 +166,7 @@ def learner_logprobs(
             logits = logits + bias
         sel = lp.token_logprobs(logits[None], targets[idx][None], temperature=t, top_k=top_k, top_p=top_p)[0]
         logp = torch.zeros_like(targets, dtype=sel.dtype).index_put(idx, sel)
-    ent = None
-    if want_entropy:
+    if want_entropy and ent is None:
         with torch.no_grad():
             ent = fused_entropy(h32.detach(), weight.detach(), bias=None if bias is None else bias.detach(),
                                 temperature=t, chunk_size=chunk_size, mask=mask)
