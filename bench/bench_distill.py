@@ -9,8 +9,9 @@ heads ``[V, H]``, H = 576 by default, SmolLM2-135M's width), runs a small warm-u
 Net peak = peak RSS - baseline. Results (loss values, token log-probs, gradient samples) are
 compared across methods: values must agree to 1e-5 relative.
 
-The fused side runs with ``--chunk auto`` by default, i.e. the chunk a user who sets
-nothing gets (:mod:`trajgrad.fused.chunking`); the chunk it resolved to is reported.
+The fused side runs with ``--chunk auto`` (and, for log-probs, ``--vocab-chunk auto``) by
+default, i.e. what a user who sets nothing gets (:mod:`trajgrad.fused.chunking`: tiles of
+positions x vocabulary columns for a trainable head); what it resolved to is reported.
 
 Usage (not part of the test suite; the naive V=151936, L=2048 KL case peaks at ~8 GB RSS)::
 
@@ -31,6 +32,8 @@ import tempfile
 import time
 
 H = 576
+VCHUNK = "auto"   # the fused log-probs' vocab_chunk_size (--vocab-chunk)
+VCHUNK_ARG = "auto"
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,7 +123,7 @@ def _naive_lp(torch, hs, ws, y, mask, chunk):
 def _fused_lp(torch, hs, ws, y, mask, chunk):
     from trajgrad.fused import fused_token_logprobs
 
-    lp = fused_token_logprobs(hs, ws, y, chunk_size=chunk, mask=mask)
+    lp = fused_token_logprobs(hs, ws, y, chunk_size=chunk, mask=mask, vocab_chunk_size=VCHUNK)
     (lp.sum() / lp.numel()).backward()
     return lp.detach().sum(), lp.detach()
 
@@ -142,10 +145,27 @@ def _chunk_arg(chunk: str):
     return chunk if chunk == "auto" else int(chunk)
 
 
+def _vchunk_arg(vchunk: str):
+    return {"auto": "auto", "none": None}.get(vchunk) if vchunk in ("auto", "none") else int(vchunk)
+
+
+def _resolved(what: str, V: int, chunk, vchunk) -> str:
+    """What the fused side ran: positions per chunk, and ``x columns`` for vocabulary blocks."""
+    from trajgrad.fused.chunking import resolve_chunk_size, resolve_tiles
+
+    if KINDS[what] != "logprob":
+        return str(resolve_chunk_size(chunk, V, KINDS[what], __import__("torch").float32))
+    rows, block = resolve_tiles(chunk, vchunk, V, "logprob", __import__("torch").float32, what == "lp")
+    return str(rows) if block >= V else f"{rows} x {block}"
+
+
 def worker(args) -> None:
     import torch
 
-    from trajgrad.fused.chunking import auto_chunk_size, get_chunk_budget
+    from trajgrad.fused.chunking import get_chunk_budget
+
+    global VCHUNK
+    VCHUNK = _vchunk_arg(args.vocab_chunk)
 
     torch.manual_seed(0)
     if args.threads:
@@ -181,7 +201,7 @@ def worker(args) -> None:
         cpus.append(_cpu_s() - c0)
     torch.save({"value": value, "per_token": per_token, "grad_h": grad_h, "grad_w_rows": grad_w_rows},
                args.tensors)
-    resolved = auto_chunk_size(args.vocab, kind=KINDS[args.what]) if args.chunk == "auto" else args.chunk
+    resolved = _resolved(args.what, args.vocab, args.chunk, VCHUNK) if args.method == "fused" else args.chunk
     print(json.dumps({
         "chunk": resolved, "budget_mib": get_chunk_budget() / 2 ** 20, "time_s": min(times), "times_s": times, "cpu_s": min(cpus), "cpus_s": cpus, "load": load, "peak_kb": peak, "base_rss_kb": base_rss,
         "base_hwm_kb": base_hwm, "hwm_reset": reset_ok, "value": float(value),
@@ -211,7 +231,7 @@ def _run_one(what, method, V, L, chunk, repeats, threads, tmpdir):
     tensors = os.path.join(tmpdir, f"{what}_{method}_{V}_{L}.pt")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--what", what, "--method", method,
            "--vocab", str(V), "--length", str(L), "--chunk", str(chunk), "--repeats", str(repeats),
-           "--tensors", tensors, "--hidden", str(H)]
+           "--tensors", tensors, "--hidden", str(H), "--vocab-chunk", VCHUNK_ARG]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -247,14 +267,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576, help="hidden size H")
     ap.add_argument("--chunk", default="auto",
                     help="fused chunk_size: 'auto' (the default of the library) or positions; a comma list runs each")
+    ap.add_argument("--vocab-chunk", default="auto",
+                    help="the fused log-probs' vocab_chunk_size: 'auto' (the default of the library: tiles for a "
+                         "trainable head), 'none' (the whole vocabulary) or columns")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (min reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--reserve-gb", type=float, default=3.0,
                     help="skip a naive run unless MemAvailable exceeds its estimate by this much")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "distill.md"))
     args = ap.parse_args()
-    global H
+    global H, VCHUNK_ARG
     H = args.hidden
+    _vchunk_arg(args.vocab_chunk)
+    VCHUNK_ARG = args.vocab_chunk
     if args.worker:
         args.vocab, args.length, args.chunk = int(args.vocab), int(args.length), _chunk_arg(args.chunk)
         worker(args)
@@ -330,7 +355,9 @@ def _write(args, rows, started, load_before, load_after) -> None:
         "- naive log-probs: `log_softmax(hs @ W.T).gather(-1, y)`; fused: `fused_token_logprobs`",
         "- chunk: `auto` is the library default (`chunk_size=\"auto\"`, budget "
         f"{rows[0]['fused'].get('budget_mib', float('nan')) if rows else float('nan'):.0f} MiB of [chunk, V] "
-        "temporaries, trajgrad.fused.chunking); the chunk it resolved to is in parentheses",
+        "temporaries, trajgrad.fused.chunking; for log-probs with a trainable head `vocab_chunk_size=\"auto\"` "
+        "makes tiles of positions x 2,048 vocabulary columns within 4 MiB); what it resolved to is in "
+        f"parentheses (`P x C` for tiles); log-probs' vocab_chunk_size: `{VCHUNK_ARG}`",
         "- two memory ratios: 'net memory ratio, incl. head grad' = naive net peak / fused net peak, each "
         "including everything the process allocated (the ratio the targets refer to); 'excl. head grad' = the "
         "same with the [V, H] float32 head-weight gradient "

@@ -43,11 +43,12 @@ cannot leak), produce 0, and receive exactly zero gradient; they cost no compute
 blocks and combines them with an online log-sum-exp (running maximum :math:`m`, running
 :math:`s = \sum e^{z-m}`, rescaled by :math:`e^{m_{old}-m_{new}}` when the maximum grows).
 Memory then is :math:`O(\text{chunk\_size}\cdot\text{vocab\_chunk\_size})`, independent of
-:math:`V`. It helps only when even a small block of positions times the full vocabulary does
-not fit (very large vocabularies on small accelerators); otherwise it is slower (more,
-smaller matrix products and extra passes), so it is off by default. Lowering
-``chunk_size`` is the first remedy: memory is linear in it, and down to ~128 positions the
-products stay efficient.
+:math:`V`. By default (``vocab_chunk_size="auto"``) the log-prob and entropy kernels use it
+when the head itself gets a gradient on the CPU and :math:`V > 2048`: tiles of 256 positions x 2,048
+columns (:mod:`trajgrad.fused.chunking`), which leave the ``[V, H]`` head gradient as the
+only vocabulary-sized allocation at no cost in time (the tiles' products keep an efficient
+shape and the head gradient is written block by block). A frozen head keeps whole-vocabulary
+chunks, whose eager scheme (above) needs every column of a row at once.
 
 **Divergences.** The kernel behind :mod:`trajgrad.losses.distill` lives here too
 (:func:`weighted_divergence`). It differs in one respect: a distillation loss is a scalar
@@ -80,10 +81,10 @@ match a float32 naive computation to ~1e-7 relative at ``V ~ 1.5e5``.
 from __future__ import annotations
 
 from .checks import check_finite_fast, check_head, check_sizes
-from .chunking import auto_chunk_size, chunk_budget, get_chunk_budget, set_chunk_budget
+from .chunking import auto_chunk_size, auto_tiles, chunk_budget, get_chunk_budget, set_chunk_budget
 from .divergence import DIVERGENCES, Head, head_entropy, weighted_divergence
 from .positionwise import fused_entropy, fused_token_logprobs
 
 __all__ = ["fused_token_logprobs", "fused_entropy", "weighted_divergence", "head_entropy", "Head", "DIVERGENCES",
-           "check_finite_fast", "check_head", "check_sizes", "auto_chunk_size", "chunk_budget", "get_chunk_budget",
-           "set_chunk_budget"]
+           "check_finite_fast", "check_head", "check_sizes", "auto_chunk_size", "auto_tiles", "chunk_budget",
+           "get_chunk_budget", "set_chunk_budget"]

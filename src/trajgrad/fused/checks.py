@@ -3,12 +3,12 @@ the argument)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .. import _checks
-from .chunking import resolve_chunk_size
+from .chunking import resolve_chunk_size, resolve_tiles
 
 def check_finite_fast(name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
     """Same contract as ``_checks.check_finite`` (``mask`` has ``x``'s leading shape), in one pass.
@@ -61,7 +61,7 @@ def check_head(hidden_name: str, hidden, weight_name: str, weight, bias_name: st
     return hidden, weight, bias
 
 
-def check_sizes(temperature: float, chunk_size, vocab_chunk_size: Optional[int] = None) -> None:
+def check_sizes(temperature: float, chunk_size, vocab_chunk_size: Union[int, str, None] = None) -> None:
     try:
         t = float(temperature)
     except (TypeError, ValueError):
@@ -70,7 +70,5 @@ def check_sizes(temperature: float, chunk_size, vocab_chunk_size: Optional[int] 
     if math.isinf(t):
         raise ValueError(f"temperature: must be finite, got {t}")
     resolve_chunk_size(chunk_size, 1, "logprob", torch.float32)     # "auto" or a positive int
-    if vocab_chunk_size is not None and (
-            not isinstance(vocab_chunk_size, int) or isinstance(vocab_chunk_size, bool) or vocab_chunk_size < 1):
-        raise ValueError(f"vocab_chunk_size: must be None or a positive int, got {vocab_chunk_size!r}")
+    resolve_tiles(chunk_size, vocab_chunk_size, 1, "logprob", torch.float32, False)   # "auto", None or a positive int
 

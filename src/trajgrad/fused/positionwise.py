@@ -14,7 +14,7 @@ from .. import _checks
 from ._blocks import (_SWEEP, _chunks, _compute_dtype, _exp_shifted, _flat_rows, _head_logits, _log_partition, _mm,
                       _row_dot, _Workspace)
 from .checks import check_head, check_sizes
-from .chunking import resolve_chunk_size
+from .chunking import resolve_tiles
 
 __all__ = ["fused_token_logprobs", "fused_entropy"]
 
@@ -194,7 +194,18 @@ def _eager_hidden_only(hidden, weight, bias) -> bool:
             and not (bias is not None and bias.requires_grad))
 
 
-def _prepare_positionwise(hidden, weight, bias, mask, temperature, chunk_size, vocab_chunk_size):
+def _tiled_head(weight, bias) -> bool:
+    """Whether ``"auto"`` sizes may tile this call (:mod:`trajgrad.fused.chunking`): it computes a
+    gradient for the head (its weight or bias) on the CPU. Tiles were measured on CPUs only; on
+    an accelerator many small tiles would cost a kernel launch each, so there the whole
+    vocabulary is kept."""
+    trainable = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    return bool(trainable and weight.device.type == "cpu")
+
+
+def _prepare_positionwise(hidden, weight, bias, mask, temperature, chunk_size, vocab_chunk_size, kind):
+    """Checked inputs, the valid rows, and ``(chunk, vocabulary block)`` resolved by
+    :func:`~trajgrad.fused.chunking.resolve_tiles` (tiles for a trainable head on the CPU)."""
     check_sizes(temperature, chunk_size, vocab_chunk_size)
     hidden = _checks.as_tensor("hidden", hidden)
     _checks.check_ndim("hidden", hidden, (2, 3))
@@ -204,9 +215,9 @@ def _prepare_positionwise(hidden, weight, bias, mask, temperature, chunk_size, v
     n = math.prod(hidden.shape[:-1])
     h2 = hidden.reshape(n, hidden.shape[-1])
     rows = _flat_rows(mask, n, hidden.device)
-    V = weight.shape[0]
-    vchunk = V if vocab_chunk_size is None else min(int(vocab_chunk_size), V)
-    return h2, weight, bias, mask, rows, vchunk
+    chunk, vchunk = resolve_tiles(chunk_size, vocab_chunk_size, weight.shape[0], kind, h2.dtype,
+                                  _tiled_head(weight, bias))
+    return h2, weight, bias, mask, rows, chunk, vchunk
 
 
 def fused_token_logprobs(
@@ -218,7 +229,7 @@ def fused_token_logprobs(
     temperature: float = 1.0,
     chunk_size: Union[int, str] = "auto",
     mask: Optional[torch.Tensor] = None,
-    vocab_chunk_size: Optional[int] = None,
+    vocab_chunk_size: Union[int, str, None] = "auto",
     with_entropy: bool = False,
 ):
     r"""Log-probabilities of ``targets`` from hidden states, never holding ``[B, L, V]`` logits.
@@ -240,8 +251,10 @@ def fused_token_logprobs(
     gradient, weight gradient), against one + two for the naive path. With a frozen head
     (only ``hidden`` requires grad) the hidden gradient factor is formed in the forward
     pass (two products in all, no recomputation). Memory: one reused
-    ``[chunk_size, V]`` buffer (or ``chunk_size * vocab_chunk_size``) beyond the inputs and
-    the gradients.
+    ``[chunk_size, V]`` buffer (two ``[chunk_size, vocab_chunk_size]`` tiles with vocabulary
+    blocks) beyond the inputs and the gradients. With a trainable head over more than
+    2,048 tokens on the CPU the defaults work in tiles (:mod:`trajgrad.fused.chunking`), so
+    the ``[V, H]`` head gradient is the only vocabulary-sized allocation.
 
     Args:
       hidden: ``[B, L, H]`` or ``[N, H]`` hidden states (attached).
@@ -252,12 +265,15 @@ def fused_token_logprobs(
       temperature: :math:`T > 0`; the sampling temperature whose distribution is wanted.
       chunk_size: positions per chunk, or ``"auto"`` (default): the largest chunk whose
         ``[chunk, V]`` buffer fits the memory budget of :mod:`trajgrad.fused.chunking`
-        (192 MiB unless overridden: 320 positions at ``V = 151,936``). Larger amortizes
-        the matrix products, smaller lowers the peak memory (``chunk_size * V`` floats).
+        (192 MiB unless overridden: 320 positions at ``V = 151,936``); for auto tiles
+        (below) the positions of a tile (256 at the default budget, float32). Larger
+        amortizes the matrix products, smaller lowers the peak memory.
       mask: optional ``[B, L]``/``[N]`` 0/1 mask; masked positions are skipped (no compute,
         output 0, zero gradient, NaN in their hidden rows never read).
-      vocab_chunk_size: optional block size over the vocabulary (online log-sum-exp; see
-        the module docstring). ``None`` = the whole vocabulary at once.
+      vocab_chunk_size: block size over the vocabulary (online log-sum-exp; see
+        :mod:`trajgrad.fused`). ``"auto"`` (default): blocks of 2,048 columns when the
+        head gets a gradient (its weight or bias requires grad), lives on the CPU and
+        ``V > 2048``, else the whole vocabulary; ``None``: always the whole vocabulary.
       with_entropy: also return the entropy :math:`\mathcal H_n = \operatorname{lse}(z_n) -
         \sum_v \pi_{n,v} z_{n,v}` of every position, read off the forward pass's logits
         (one more sweep over them, no extra matrix product), *without* a gradient; for a
@@ -276,8 +292,8 @@ def fused_token_logprobs(
     if targets.is_floating_point() or targets.dtype == torch.bool or targets.is_complex():
         raise ValueError(f"targets: expected an integer tensor, got dtype {targets.dtype}")
     _checks.check_shape("targets", targets, hidden_t.shape[:-1], against="hidden without its last dimension")
-    h2, weight, bias, mask, rows, vchunk = _prepare_positionwise(
-        hidden_t, weight, bias, mask, temperature, chunk_size, vocab_chunk_size)
+    h2, weight, bias, mask, rows, chunk, vchunk = _prepare_positionwise(
+        hidden_t, weight, bias, mask, temperature, chunk_size, vocab_chunk_size, "logprob")
     y = targets.reshape(-1).to(torch.long)
     V = weight.shape[0]
     if rows.numel():
@@ -285,7 +301,6 @@ def fused_token_logprobs(
         if bool(((yv < 0) | (yv >= V)).any()):
             bad = yv[(yv < 0) | (yv >= V)][0].item()
             raise ValueError(f"targets: values must lie in [0, {V}) at valid positions, found {bad}")
-    chunk = resolve_chunk_size(chunk_size, vchunk, "logprob", h2.dtype)
     out = _PositionwiseFn.apply(h2, weight, bias, y, rows, "logprob", 1.0 / float(temperature),
                                 chunk, vchunk, _eager_hidden_only(h2, weight, bias), with_entropy)
     if with_entropy:
@@ -301,7 +316,7 @@ def fused_entropy(
     temperature: float = 1.0,
     chunk_size: Union[int, str] = "auto",
     mask: Optional[torch.Tensor] = None,
-    vocab_chunk_size: Optional[int] = None,
+    vocab_chunk_size: Union[int, str, None] = "auto",
 ) -> torch.Tensor:
     r"""Entropy of :math:`\operatorname{softmax}((W h_n + b)/T)` per position, chunked.
 
@@ -319,9 +334,8 @@ def fused_entropy(
     """
     hidden_t = _checks.as_tensor("hidden", hidden)
     _checks.check_ndim("hidden", hidden_t, (2, 3))
-    h2, weight, bias, mask, rows, vchunk = _prepare_positionwise(
-        hidden_t, weight, bias, mask, temperature, chunk_size, vocab_chunk_size)
-    chunk = resolve_chunk_size(chunk_size, vchunk, "entropy", h2.dtype)
+    h2, weight, bias, mask, rows, chunk, vchunk = _prepare_positionwise(
+        hidden_t, weight, bias, mask, temperature, chunk_size, vocab_chunk_size, "entropy")
     out = _PositionwiseFn.apply(h2, weight, bias, None, rows, "entropy", 1.0 / float(temperature),
                                 chunk, vchunk, _eager_hidden_only(h2, weight, bias))
     return out.reshape(hidden_t.shape[:-1])
