@@ -224,7 +224,8 @@ def _step(tr, batch, adv, skip):
     finally:
         updates.logprobs = real
     params = {n: p.detach().clone() for n, p in st.model.named_parameters() if p.requires_grad}
-    moments = [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in st.optimizer.state.values()]
+    moments = {n: {k: v.clone() for k, v in st.optimizer.state[p].items() if torch.is_tensor(v)}
+               for n, p in st.model.named_parameters() if p in st.optimizer.state}
     return m, params, moments, [json.loads(line) for line in rec.lines(1)], calls
 
 
@@ -237,11 +238,18 @@ def _compare(tr, batch, adv):
         st.optimizer.load_state_dict(opt0)
         out[skip] = _step(tr, batch, adv, skip)
     (m0, p0, s0, l0, c0), (m1, p1, s1, l1, c1) = out[False], out[True]
+    # the gradients, through AdamW's first moment ((1 - beta1) g after this first step), agree tightly
+    assert s0.keys() == s1.keys() == p0.keys()
+    assert all(torch.allclose(s0[n][k], s1[n][k], rtol=1e-5, atol=1e-9) for n in s0 for k in s0[n])
+    lr = st.optimizer.param_groups[0]["lr"]
     for n in p0:
-        assert torch.allclose(p0[n], p1[n], rtol=1e-5, atol=1e-7), n
         assert not torch.equal(p0[n], model0[n]), n  # the step moved every parameter (weight decay at least)
-    assert len(s0) == len(s1) and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-9)
-                                      for a, b in zip(s0, s1) for k in a)
+        # AdamW's first step is lr g / (|g| + eps): where |g| is far above eps the parameters agree
+        # tightly; for a near-zero gradient the float32 rounding of differently batched rows is
+        # amplified up to a whole step of either sign, so there the bound is that step
+        well = s0[n]["exp_avg"].abs() > 1e-7                # |g| > 1e-6
+        assert torch.allclose(p0[n][well], p1[n][well], rtol=1e-5, atol=1e-7), n
+        assert float((p0[n] - p1[n]).abs().max()) <= 2.0 * lr * 1.001, n
     # "tokens" is each micro-batch's token count averaged over micro-batches: it follows the split
     bad = {k: (m0[k], m1[k]) for k in m0 if k not in ("update/forward_only_frac", "tokens") and math.isfinite(m0[k])
            and m1[k] != pytest.approx(m0[k], rel=1e-5, abs=1e-7)}

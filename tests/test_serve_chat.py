@@ -141,7 +141,9 @@ def test_recorded_episode_is_the_served_tokens_and_logprobs(served, client, qtok
     msgs = [SYSTEM, {"role": "user", "content": "first"}]
     served_turns, prompts = [], []
     for k in range(3):
-        r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, logprobs=True, extra_body=extra, **std)
+        # seeded: the same tokens whichever tests ran on this server before (the order varies under xdist)
+        r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, logprobs=True, extra_body=extra,
+                                      seed=100 + k, **std)
         ch = r.choices[0]
         served_turns.append((ch.model_extra["token_ids"], [e.logprob for e in ch.logprobs.content]))
         prompts.append(r.model_extra["prompt_token_ids"])
