@@ -62,8 +62,9 @@ with an online log-sum-exp, the positions per tile from the smaller of the budge
 (the forward pass holds a tile's logits and their exponentials): 256 positions x 2,048
 columns, 4 MiB of temporaries, in float32. The matrix products keep an efficient shape,
 so the tiles cost no time against whole-vocabulary chunks. Measured at ``V = 151,936,
-L = 2,048, H = 576`` (``bench/results/distill.md``): net peak memory 10.3x below the naive
-path's (6.8x with chunks of 320 positions x the whole vocabulary) in 0.50x its time. A
+L = 2,048, H = 576`` (``bench/results/distill.md``, one CPU thread): net peak memory 10.4x
+below the naive path's in 0.61x its time, against 6.7x for chunks of 320 positions x the
+whole vocabulary, which took the same time as the tiles. A
 vocabulary of at most ``VOCAB_BLOCK`` tokens, a frozen head (only the hidden states get
 a gradient, e.g. LoRA: the cheaper eager scheme of :mod:`trajgrad.fused.positionwise`
 needs the whole vocabulary), calls without a gradient and heads on an accelerator (where
