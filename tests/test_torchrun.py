@@ -96,3 +96,43 @@ def test_dpo_on_two_ranks_with_unequal_shards_matches_one_process(tmp_path):
     for k in keys:
         assert two[0][k] == pytest.approx(one[0][k], rel=1e-5, abs=1e-6), k
     assert all(math.isfinite(r["loss"]) for r in two)
+
+
+_OWNERSHIP = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trajgrad.train.config import load_config
+from trajgrad.train.trainer import Trainer
+
+cfg, out = load_config(sys.argv[1]), Path(sys.argv[2])
+rank = int(__import__("os").environ["RANK"])
+Trainer(cfg, out / f"own{rank}", console=lambda *_: None).run()
+assert not dist.is_initialized(), "the group the trainer created outlived its run"
+dist.init_process_group("gloo")  # a group the caller made is the caller's
+Trainer(cfg, out / f"caller{rank}", console=lambda *_: None).run()
+assert dist.is_initialized(), "the trainer destroyed the caller's group"
+dist.barrier()
+dist.destroy_process_group()
+(out / f"ok{rank}").write_text("ok")
+"""
+
+
+@pytest.mark.slow
+def test_trainer_destroys_the_process_group_it_created(tmp_path):
+    """The group a trainer creates under torchrun is destroyed at the end of its run (not in
+    the interpreter's teardown, where gloo's threads can abort the process); a group that
+    existed before the trainer is left alone."""
+    cfg = micro_config("grpo", train={"steps": 1, "prompts_per_step": 2}, checkpoint={"every": 0})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump()))
+    script = tmp_path / "own.py"
+    script.write_text(_OWNERSHIP)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(script), str(path), str(tmp_path)]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

@@ -62,6 +62,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._owns_process_group = not dist_lib.is_distributed()  # created below under torchrun
         self.dist = dist_lib.init_from_env()
         self.rank, self.world = self.dist.rank, self.dist.world_size
         self.is_main = self.dist.is_main
@@ -440,7 +441,13 @@ class Trainer:
         return self.finish({"steps": self.step, "recipe": self.objective.name})
 
     def finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
-        """Held-out evaluation after training, before/after comparison, ``summary.json``."""
+        """Held-out evaluation after training, before/after comparison, ``summary.json``.
+
+        Under torchrun the process group this trainer created is destroyed here, once every
+        rank has arrived: its backends shut down in order now rather than in the
+        interpreter's teardown at exit, where gloo's threads can abort the process. A group
+        the caller created before the trainer is left to the caller.
+        """
         if self.cfg.eval.after:
             after = self.evaluate("after")
             summary["eval_after"] = after.__dict__
@@ -452,6 +459,8 @@ class Trainer:
         self.traj_log.close()
         self.metrics.close()  # the tracking sinks (wandb, mlflow, trackio) finish their runs
         dist_lib.barrier()
+        if self._owns_process_group:
+            dist_lib.cleanup()
         return summary
 
 
