@@ -111,7 +111,10 @@ cfg, out = load_config(sys.argv[1]), Path(sys.argv[2])
 rank = int(__import__("os").environ["RANK"])
 Trainer(cfg, out / f"own{rank}", console=lambda *_: None).run()
 assert not dist.is_initialized(), "the group the trainer created outlived its run"
-dist.init_process_group("gloo")  # a group the caller made is the caller's
+# a group the caller made is the caller's (on a port of its own: torchrun's store keeps the
+# first rendezvous's keys, so a second env:// group in one process is not a clean start)
+store = dist.TCPStore("127.0.0.1", int(sys.argv[3]), 2, is_master=rank == 0)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 Trainer(cfg, out / f"caller{rank}", console=lambda *_: None).run()
 assert dist.is_initialized(), "the trainer destroyed the caller's group"
 dist.barrier()
@@ -132,7 +135,7 @@ def test_trainer_destroys_the_process_group_it_created(tmp_path):
     script.write_text(_OWNERSHIP)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(script), str(path), str(tmp_path)]
-    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           str(script), str(path), str(tmp_path), str(_free_port())]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
