@@ -120,14 +120,17 @@ assert dist.is_initialized(), "the trainer destroyed the caller's group"
 dist.barrier()
 dist.destroy_process_group()
 (out / f"ok{rank}").write_text("ok")
+from trajgrad.train.run import end_distributed_worker
+
+end_distributed_worker(0)
 """
 
 
 @pytest.mark.slow
 def test_trainer_destroys_the_process_group_it_created(tmp_path):
-    """The group a trainer creates under torchrun is destroyed at the end of its run (not in
-    the interpreter's teardown, where gloo's threads can abort the process); a group that
-    existed before the trainer is left alone."""
+    """The group a trainer creates under torchrun is destroyed at the end of its run; a group
+    that existed before the trainer is left alone. (Each process then ends with
+    ``end_distributed_worker``, as ``trajgrad train``'s do.)"""
     cfg = micro_config("grpo", train={"steps": 1, "prompts_per_step": 2}, checkpoint={"every": 0})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump()))
@@ -139,3 +142,20 @@ def test_trainer_destroys_the_process_group_it_created(tmp_path):
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def test_end_distributed_worker_flushes_and_exits_with_the_code():
+    """The worker ends without the interpreter's teardown (no atexit handler runs), after
+    flushing what it printed and logged."""
+    code = ("import atexit, logging, sys\n"
+            "from trajgrad.train.run import end_distributed_worker\n"
+            "logging.basicConfig(stream=sys.stderr, level=logging.INFO)\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            "sys.stdout.write('buffered, no newline')\n"
+            "logging.getLogger('x').info('logged')\n"
+            "end_distributed_worker(3)\n"
+            "print('not reached')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert out.stdout == "buffered, no newline"
+    assert "logged" in out.stderr

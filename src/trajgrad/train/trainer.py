@@ -445,8 +445,10 @@ class Trainer:
 
         Under torchrun the process group this trainer created is destroyed here, once every
         rank has arrived: its backends shut down in order now rather than in the
-        interpreter's teardown at exit, where gloo's threads can abort the process. A group
-        the caller created before the trainer is left to the caller.
+        interpreter's teardown at exit. A group the caller created before the trainer is
+        left to the caller. A group that other modules still hold keeps its threads; a
+        script that trains under torchrun ends its processes with
+        :func:`trajgrad.train.run.end_distributed_worker`, as ``trajgrad train`` does.
         """
         if self.cfg.eval.after:
             after = self.evaluate("after")
