@@ -321,6 +321,11 @@ def _worker(rank: int, port: int, q) -> None:
         D.cleanup()
         res_after = D.is_distributed()
         q.put(("cleanup", rank, res_after))
+        # end without the interpreter's teardown, where gloo's worker threads can abort the
+        # process (trajgrad.train.run.end_distributed_worker); the queue's feeder is drained first
+        q.close()
+        q.join_thread()
+        os._exit(0)
     except BaseException:  # report everything, never hang the parent
         q.put(("error", rank, traceback.format_exc()))
 

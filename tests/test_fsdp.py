@@ -171,6 +171,11 @@ def _worker(rank: int, port: int, ckpt_dir: str, q) -> None:
         D.barrier()
         q.put(("ok", rank, res))
         D.cleanup()
+        # end without the interpreter's teardown, where gloo's worker threads can abort the
+        # process (trajgrad.train.run.end_distributed_worker); the queue's feeder is drained first
+        q.close()
+        q.join_thread()
+        os._exit(0)
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
 
