@@ -23,7 +23,7 @@ def end_distributed_worker(code: int = 0) -> None:
     the last collectives shortly after those complete. A thread that does so while the
     interpreter is finalizing needs the GIL, is stopped inside a C++ destructor, and the
     process aborts (``terminate called without an active exception``, SIGABRT) after a run
-    that succeeded (4 of 163 runs of a 2-rank CPU job on a loaded 2-core machine).
+    that succeeded (4 of about 200 runs of a 2-rank CPU job on a loaded 2-core machine).
     ``Trainer.finish`` destroys the group, but a group that other modules still hold
     (importing ``torch._dynamo`` after the group exists keeps it) keeps its threads. So the
     worker ends here: everything the run writes is closed by then (``Trainer.finish``),
