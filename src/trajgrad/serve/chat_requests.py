@@ -95,6 +95,7 @@ class ChatPlan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    call_prefix: str = "call_"  # the prefix of the ids given to parsed tool calls
 
     def logprob_plan(self, state: ServerState) -> Plan:
         """The completions :class:`~trajgrad.serve.requests.Plan` that ``_top_logprobs`` reads."""
