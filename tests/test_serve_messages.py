@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_chat import NAME, _finish, _learner_ratio, _Scripted, qmodel, qtok, served  # noqa: E402,F401
+from test_serve_chat import NAME, _finish, _Scripted, check_recorded, qmodel, qtok, served  # noqa: E402,F401
 
 from trajgrad.rollout.chat import end_of_turn_id, prompt_ids  # noqa: E402
 
@@ -97,15 +97,8 @@ def test_recorded_episode_matches_the_learner(served, qmodel, sampling):
         assert r.model_extra["session"] == sid
         msgs = msgs + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
                        {"role": "user", "content": f"more {k}"}]
-    traj = _finish(served, sid)
-    assert traj is not None and "diverged" not in traj.metadata and len(traj.turns) == 3
-    for k, (turn, (ids, lps)) in enumerate(zip(traj.turns, served_turns)):
-        assert turn.action_ids == ids and turn.behaviour_logp == lps and turn.policy_version == 0
-        if k + 1 < 3:
-            assert prompts[k + 1] == prompts[k] + ids + turn.observation_ids
-    assert traj.token_ids() == prompts[2] + served_turns[2][0]
-    ratio, m = _learner_ratio(qmodel, [traj], **sampling)
-    assert float((ratio - 1).abs().max()) < 1e-5 and int(m.sum()) == sum(len(t) for t, _ in served_turns)
+    check_recorded(_finish(served, sid), served_turns, prompts, qmodel, sampling)
+
 
 
 def test_two_tool_loop_is_recorded_verbatim(served, qtok):

@@ -14,6 +14,8 @@ from .completions import complete
 from .errors import RequestError, anthropic_error_body, error_body, validation_message
 from .messages import MessagesRequest, create_message
 from .messages_stream import message_events
+from .responses import ResponsesRequest, create_response
+from .responses_stream import response_events
 from .reload import load_weights
 from .requests import CompletionRequest, ReloadRequest
 from .sessions import Sessions
@@ -183,6 +185,20 @@ def create_app(
     @app.post("/s/{session}/v1/messages")
     async def session_messages(session: str, req: MessagesRequest):
         return await _messages(req, session)
+
+    async def _responses(req, session):
+        out = await _answer(create_response, req, session)
+        if req.stream:
+            return StreamingResponse(response_events(state.tokenizer, out), media_type="text/event-stream")
+        return out
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, x_trajgrad_session: Optional[str] = Header(None)):
+        return await _responses(req, x_trajgrad_session)
+
+    @app.post("/s/{session}/v1/responses")
+    async def session_responses(session: str, req: ResponsesRequest):
+        return await _responses(req, session)
 
     @app.get("/s/{session}/v1/models")
     async def session_models(session: str):

@@ -35,7 +35,7 @@ from .errors import RequestError
 from .sessions import Candidate, Sessions
 from .state import ServerState
 
-__all__ = ["answer_chat", "chat_complete", "sse_chunks", "text_pieces"]
+__all__ = ["answer_chat", "chat_complete", "recorded_fields", "sse_chunks", "text_pieces"]
 
 _TAGGED = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -165,6 +165,16 @@ async def _answer(state: ServerState, sessions: Sessions, plan: ChatPlan, sessio
         "prompt_token_ids": list(prompt),
         "_stream": (plan.stream, plan.include_usage),
     }
+
+
+def recorded_fields(out: Dict[str, Any]) -> Dict[str, Any]:
+    """The extensions a Messages or Responses reply carries, from :func:`answer_chat`'s first choice
+    (sampled with ``logprobs``): ``token_ids`` and ``token_logprobs`` (every sampled token, the end of
+    turn included), ``policy_version``, ``prompt_token_ids``, ``session``."""
+    choice = out["choices"][0]
+    return {"token_ids": choice["token_ids"], "token_logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+            "policy_version": out["policy_version"], "prompt_token_ids": out["prompt_token_ids"],
+            "session": out["session"]}
 
 
 def text_pieces(tokenizer, ids: List[int], content: str) -> List[str]:

@@ -42,8 +42,8 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Union
 
-from .chat import answer_chat
-from .chat_requests import ChatRequest, plan_chat
+from .chat import answer_chat, recorded_fields
+from .chat_requests import ChatRequest, SamplingRequest, function_tool, join_text, plan_chat
 from .errors import RequestError
 from .sessions import Sessions
 from .state import ServerState
@@ -55,24 +55,13 @@ _STOP = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 
 
 def _schema():
-    from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+    from pydantic import StrictInt
 
-    Number = Union[StrictInt, StrictFloat]
-
-    class MessagesRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        model: Optional[str] = None
+    class MessagesRequest(SamplingRequest):
         max_tokens: StrictInt
         messages: List[Dict[str, Any]]
         system: Optional[Union[str, List[Dict[str, Any]]]] = None
-        tools: Optional[List[Dict[str, Any]]] = None
         tool_choice: Optional[Dict[str, Any]] = None
-        temperature: Optional[Number] = None
-        top_p: Optional[Number] = None
-        top_k: Optional[StrictInt] = None
-        stream: Optional[StrictBool] = False
-        metadata: Optional[Dict[str, Any]] = None
         service_tier: Optional[str] = None
         cache_control: Optional[Dict[str, Any]] = None
         # accepted only at their neutral values (they would change the distribution)
@@ -87,18 +76,7 @@ MessagesRequest = _schema()
 
 def _text(blocks: Any, where: str) -> str:
     """A string, or text blocks joined."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise RequestError(f"{where}: expected a string or a list of text blocks, got {type(blocks).__name__}",
-                           param=where)
-    parts = []
-    for k, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise RequestError(f"{where}[{k}]: only text blocks are supported here, got {b!r:.80}",
-                               param=f"{where}[{k}]")
-        parts.append(b["text"])
-    return "".join(parts)
+    return join_text(blocks, where, ("text",))
 
 
 def _blocks(i: int, role: str, content: List[Any]) -> List[Dict[str, Any]]:
@@ -193,14 +171,7 @@ def _tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any
         if not isinstance(t.get("name"), str) or not t["name"] or not isinstance(t.get("input_schema"), dict):
             raise RequestError(f"tools[{k}]: needs a 'name' (string) and an 'input_schema' (object)",
                                param=f"tools[{k}]")
-        if t.get("strict"):
-            raise RequestError(f"tools[{k}].strict: strict tool inputs need constrained decoding, which changes the "
-                               f"sampling distribution; omit it", param=f"tools[{k}].strict")
-        fn = {"name": t["name"]}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t["input_schema"]
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(k, t, "input_schema"))
     return out
 
 
@@ -256,9 +227,5 @@ async def create_message(state: ServerState, sessions: Sessions, req, session_id
         "stop_reason": _STOP[choice["finish_reason"]],
         "stop_sequence": None,
         "usage": {"input_tokens": out["usage"]["prompt_tokens"], "output_tokens": out["usage"]["completion_tokens"]},
-        "token_ids": choice["token_ids"],
-        "token_logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
-        "policy_version": out["policy_version"],
-        "prompt_token_ids": out["prompt_token_ids"],
-        "session": out["session"],
+        **recorded_fields(out),
     }
