@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -53,7 +54,13 @@ def test_response_shape_usage_and_extensions(served, qtok):
     assert r.output_text == qtok.decode(ids if cut else ids[:-1], skip_special_tokens=False)
 
 
-def test_stream_is_the_responses_event_sequence(served):
+def test_session_from_the_user_field(served):
+    r = _client(served).responses.create(model=NAME, input="u", max_output_tokens=3, user="resp-by-user")
+    assert r.model_extra["session"] == "resp-by-user" and r.user == "resp-by-user"
+    assert _finish(served, "resp-by-user").turns[0].action_ids == r.model_extra["token_ids"]
+
+
+def test_stream_is_the_responses_event_sequence(served, monkeypatch):
     c = _client(served)
     with _Scripted(served.state, ["Hi there."]):
         events = list(c.responses.create(model=NAME, input="hello", stream=True))
@@ -79,6 +86,16 @@ def test_stream_is_the_responses_event_sequence(served):
     fc = got.output[1]
     assert fc.name == "lookup" and json.loads(fc.arguments) == {"key": "a long key value"} and len(deltas) > 1
     assert "".join(deltas) == fc.arguments and fc.call_id.startswith("call_")
+    # cut at max_output_tokens: the last event is response.incomplete
+    def cut_at_max(rows, key, seed):  # four tokens, no end of turn: cut at max_output_tokens
+        f = Future()
+        f.set_result(([([70, 71, 72, 73], [-0.5] * 4, True) for _ in rows], 0))
+        return f
+
+    monkeypatch.setattr(served.state, "submit", cut_at_max)
+    cut = list(c.responses.create(model=NAME, input="hello", stream=True, max_output_tokens=4))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.status == "incomplete"
+    assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
 # ----------------------------------------------------------------------------- recording (§4, §7, §16)
