@@ -15,7 +15,8 @@ Translation (the request → the chat conversation):
 * ``messages[i]`` with string content, or blocks: ``text`` blocks join into the message's
   text; an assistant's ``tool_use`` blocks become its tool calls (``id``, ``name``,
   ``input``); a user's ``tool_result`` blocks become ``tool`` messages (their string or
-  text-block content), in block order, its text blocks a ``user`` message;
+  text-block content; ``is_error`` is not rendered: the chat template has no place for it),
+  in block order, its text blocks a ``user`` message;
 * ``tools`` (``name``, ``description``, ``input_schema``) → OpenAI function schemas passed to
   the chat template; ``tool_choice`` ``{"type": "auto"}`` / ``{"type": "none"}``.
 
