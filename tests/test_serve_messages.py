@@ -149,6 +149,17 @@ def test_a_fabricated_tool_use_is_a_divergence(served):
     assert _finish(served, sid) is None
 
 
+def test_count_tokens_is_the_rendered_prompt(served, qtok):
+    msgs = [{"role": "user", "content": "hello"}]
+    c = _client(served)
+    n = c.messages.count_tokens(model=NAME, system="Answer briefly.", messages=msgs, tools=TOOLS)
+    r = c.messages.create(model=NAME, max_tokens=2, system="Answer briefly.", messages=msgs, tools=TOOLS)
+    assert n.input_tokens == r.usage.input_tokens == len(prompt_ids(
+        qtok, [{"role": "system", "content": "Answer briefly."}, *msgs], OPENAI_TOOLS))
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        c.messages.count_tokens(model=NAME, messages=msgs, tools=TOOLS, tool_choice={"type": "any"})
+
+
 # ----------------------------------------------------------------------------- errors
 U = [{"role": "user", "content": "x"}]
 

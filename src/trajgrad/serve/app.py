@@ -12,7 +12,7 @@ from .chat import chat_complete, sse_chunks
 from .chat_requests import ChatRequest, RewardRequest
 from .completions import complete
 from .errors import RequestError, anthropic_error_body, error_body, validation_message
-from .messages import MessagesRequest, create_message
+from .messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from .messages_stream import message_events
 from .responses import ResponsesRequest, create_response
 from .responses_stream import response_events
@@ -107,7 +107,7 @@ def create_app(
     app.state.trajgrad = state
 
     def _error(request: Request, message: str, status: int, param: Optional[str]):
-        if request.url.path.endswith("/v1/messages"):  # Anthropic's clients read Anthropic's shape
+        if "/v1/messages" in request.url.path:  # Anthropic's clients read Anthropic's shape
             return JSONResponse(anthropic_error_body(message, status), status_code=status)
         return JSONResponse(error_body(message, status, param), status_code=status)
 
@@ -185,6 +185,14 @@ def create_app(
     @app.post("/s/{session}/v1/messages")
     async def session_messages(session: str, req: MessagesRequest):
         return await _messages(req, session)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest):
+        return await run_in_threadpool(count_tokens, state, req)
+
+    @app.post("/s/{session}/v1/messages/count_tokens")
+    async def session_messages_count_tokens(session: str, req: CountTokensRequest):
+        return await run_in_threadpool(count_tokens, state, req)
 
     async def _responses(req, session):
         out = await _answer(create_response, req, session)

@@ -28,8 +28,8 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..envs.toolcalls import parse_tool_calls
-from ..rollout.chat import end_of_turn_id, prompt_ids
-from .chat_requests import ChatPlan, plan_chat, rendered
+from ..rollout.chat import end_of_turn_id
+from .chat_requests import ChatPlan, plan_chat, render_prompt
 from .completions import _top_logprobs
 from .errors import RequestError
 from .sessions import Candidate, Sessions
@@ -102,10 +102,7 @@ async def _answer(state: ServerState, sessions: Sessions, plan: ChatPlan, sessio
     if session is not None:
         prompt = sessions.prepare(session, plan)
     else:
-        try:
-            prompt = prompt_ids(tok, [rendered(m) for m in plan.messages], plan.tools)
-        except ValueError as exc:
-            raise RequestError(str(exc), param="tools" if str(exc).startswith("tools") else "messages") from None
+        prompt = render_prompt(tok, plan.messages, plan.tools)
     if not prompt:
         raise RequestError("messages: the conversation renders to no tokens", param="messages")
     if max(prompt) >= state.vocab_size:

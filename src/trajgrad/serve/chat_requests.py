@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..envs.toolcalls import format_tool_call
+from ..rollout.chat import prompt_ids
 from .errors import RequestError
 from .requests import Plan, _finite, _neutral
 from .state import ServerState
 
 __all__ = ["ChatRequest", "ChatPlan", "SamplingRequest", "RewardRequest", "plan_chat", "normalize_messages",
-           "canonical_tools", "function_tool", "join_text"]
+           "canonical_tools", "function_tool", "join_text", "render_prompt"]
 
 _MAX_TOP_LOGPROBS = 20
 _MIN_TEMPERATURE = 1e-6
@@ -218,6 +219,15 @@ def rendered(message: Dict[str, Any]) -> Dict[str, Any]:
     if "name" in message:
         msg["name"] = message["name"]
     return msg
+
+
+def render_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]]) -> List[int]:
+    """The prompt tokens of normalized ``messages`` rendered afresh by the chat template; a
+    :class:`RequestError` naming ``tools`` or ``messages`` when the template refuses them."""
+    try:
+        return prompt_ids(tokenizer, [rendered(m) for m in messages], tools)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="tools" if str(exc).startswith("tools") else "messages") from None
 
 
 def canonical_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:

@@ -34,7 +34,8 @@ block per parsed tool call (ids ``toolu_...``), ``stop_reason`` ``end_turn`` / `
 ``token_ids`` and ``token_logprobs`` (every sampled token, the end-of-turn token included, and
 its behaviour log-prob), ``policy_version``, ``prompt_token_ids``, ``session``.
 ``stream: true`` answers with the Messages event sequence
-(:mod:`~trajgrad.serve.messages_stream`).
+(:mod:`~trajgrad.serve.messages_stream`). ``POST /v1/messages/count_tokens``
+(:func:`count_tokens`) gives the tokens the conversation renders to.
 """
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ import uuid
 from typing import Any, Dict, List, Optional, Union
 
 from .chat import answer_chat, recorded_fields
-from .chat_requests import ChatRequest, SamplingRequest, function_tool, join_text, plan_chat
+from .chat_requests import (ChatRequest, SamplingRequest, canonical_tools, function_tool, join_text, normalize_messages,
+                            plan_chat, render_prompt)
 from .errors import RequestError
 from .sessions import Sessions
 from .state import ServerState
 
-__all__ = ["MessagesRequest", "chat_request", "create_message"]
+__all__ = ["CountTokensRequest", "MessagesRequest", "chat_request", "count_tokens", "create_message"]
 
 _TOOL_KEYS = {"name", "description", "input_schema", "type", "cache_control", "strict"}
 _STOP = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
@@ -73,6 +75,12 @@ def _schema():
 
 
 MessagesRequest = _schema()
+
+
+class CountTokensRequest(MessagesRequest):
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: Optional[int] = None
 
 
 def _text(blocks: Any, where: str) -> str:
@@ -230,3 +238,11 @@ async def create_message(state: ServerState, sessions: Sessions, req, session_id
         "usage": {"input_tokens": out["usage"]["prompt_tokens"], "output_tokens": out["usage"]["completion_tokens"]},
         **recorded_fields(out),
     }
+
+
+def count_tokens(state: ServerState, req) -> Dict[str, int]:
+    """``{"input_tokens": n}``: the tokens the conversation of ``req`` renders to with the chat template
+    (rendered afresh, outside any session; the request checked as ``/v1/messages`` checks it)."""
+    chat = chat_request(req)
+    return {"input_tokens": len(render_prompt(state.tokenizer, normalize_messages(chat.messages),
+                                              canonical_tools(chat.tools)))}
