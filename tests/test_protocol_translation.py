@@ -42,7 +42,8 @@ def test_messages_translate_to_the_chat_conversation(system, first, turns):
     msgs = [{"role": "user", "content": first}]
     for k, (text, calls, user) in enumerate(turns):
         blocks = ([{"type": "text", "text": text}] if text else []) + [
-            {"type": "tool_use", "id": f"c{k}{j}", "name": name, "input": args} for j, (name, args, _) in enumerate(calls)]
+            {"type": "tool_use", "id": f"c{k}{j}", "name": name, "input": args}
+            for j, (name, args, _) in enumerate(calls)]
         msgs.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})
         results = [{"type": "tool_result", "tool_use_id": f"c{k}{j}", "content": out}
                    for j, (_, _, out) in enumerate(calls)]

@@ -39,7 +39,8 @@ def messages_turns(task, anthropic_base_url):
     client = anthropic.Anthropic(base_url=anthropic_base_url, api_key="x", max_retries=0)
     msgs = [{"role": "user", "content": task.prompt}]
     r = client.messages.create(model="claude", max_tokens=8, system="Be brief.", messages=msgs)
-    msgs += [{"role": "assistant", "content": [b.model_dump() for b in r.content]}, {"role": "user", "content": "again"}]
+    msgs += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+             {"role": "user", "content": "again"}]
     with client.messages.stream(model="claude", max_tokens=8, system="Be brief.", messages=msgs) as stream:
         text = "".join(stream.text_stream)
     return float(len(text) % 2)

@@ -143,7 +143,8 @@ def test_a_fabricated_tool_use_is_a_divergence(served):
         (use,) = r.content
         c.messages.create(model=NAME, max_tokens=64, tools=TOOLS, messages=[
             {"role": "user", "content": "q"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": "lookup", "input": {"key": "b"}}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": "lookup",
+                                               "input": {"key": "b"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "1"}]}])
     assert served.state.sessions.get(sid).diverged.startswith("history")
     assert _finish(served, sid) is None

@@ -45,7 +45,8 @@ def test_response_shape_usage_and_extensions(served, qtok):
     extra = r.model_extra
     assert extra["prompt_token_ids"] == prompt and r.usage.input_tokens == len(prompt)
     ids = extra["token_ids"]
-    assert r.usage.output_tokens == len(ids) == len(extra["token_logprobs"]) and r.usage.total_tokens == len(prompt) + len(ids)
+    assert r.usage.output_tokens == len(ids) == len(extra["token_logprobs"])
+    assert r.usage.total_tokens == len(prompt) + len(ids)
     cut = ids[-1] != end_of_turn_id(qtok)
     assert r.status == ("incomplete" if cut else "completed")
     assert (r.incomplete_details.reason if cut else r.incomplete_details) == ("max_output_tokens" if cut else None)

@@ -32,6 +32,7 @@ try:
         out = learner_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, temperature=1.0)
     m = batch.action_mask.bool()
     d = torch.where(m, out.logp.double() - batch.old_logp.double(), 0.0).abs()
-    print(f"action tokens {int(m.sum())}, max |learner - served| {float(d.max()):.2e}, mean {float(d.sum() / m.sum()):.2e}")
+    print(f"action tokens {int(m.sum())}, max |learner - served| {float(d.max()):.2e}, "
+          f"mean {float(d.sum() / m.sum()):.2e}")
 finally:
     s.close()

@@ -50,7 +50,8 @@ def _message(plan: ChatPlan, text: str) -> Dict[str, Any]:
     if calls and all(c.error is None for c in calls):
         content = _TAGGED.sub("", text).strip() if "<tool_call>" in text else ""
         return {"content": content, "tool_calls": [
-            {"id": f"{plan.call_prefix}{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments} for c in calls]}
+            {"id": f"{plan.call_prefix}{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments}
+            for c in calls]}
     return {"content": text, "tool_calls": []}
 
 
@@ -86,7 +87,8 @@ async def chat_complete(state: ServerState, sessions: Sessions, req, session_id:
     return await answer_chat(state, sessions, plan, session_id)
 
 
-async def answer_chat(state: ServerState, sessions: Sessions, plan: ChatPlan, session_id: Optional[str]) -> Dict[str, Any]:
+async def answer_chat(state: ServerState, sessions: Sessions, plan: ChatPlan,
+                      session_id: Optional[str]) -> Dict[str, Any]:
     """Sample the checked ``plan`` (recorded under ``session_id`` when given): the chat completion.
 
     The one sampling + recording path of every protocol (chat completions, Messages, Responses)."""

@@ -20,8 +20,8 @@ once per episode:
 * or a **Python callable** ``"package.module:function"``, called in a thread with the
   keyword arguments it names among ``task`` (the :class:`~trajgrad.envs.base.Task`),
   ``base_url`` (``.../s/<session>/v1``, an OpenAI client's), ``anthropic_base_url``
-  (``.../s/<session>``, an Anthropic client's), ``session``, ``model``, ``api_key``; returning a number (the reward), a dict
-  ``{"reward", "success"}`` or None (it reported the reward itself).
+  (``.../s/<session>``, an Anthropic client's), ``session``, ``model``, ``api_key``; returning
+  a number (the reward), a dict ``{"reward", "success"}`` or None (it reported the reward itself).
 
 The reward ends the episode (``POST /v1/trajgrad/episodes/{session}/reward``, e.g.
 :func:`trajgrad.serve.client.report_reward`). ``G`` episodes per task
