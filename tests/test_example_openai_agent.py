@@ -1,11 +1,12 @@
 """examples/openai_agent: an agent written only against the openai client, trained unchanged through
 the proxy on the tiny model (as a Python callable and as a shell command)."""
-import json
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _proxy_examples import check_two_steps, scripted_proxy, train_example  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_agent"
 pytest.importorskip("openai")
@@ -39,24 +40,10 @@ def test_the_unchanged_agent_loop_is_recorded_through_the_proxy(shop, tok):
     """Scripted policy replies: lookup, multiply, answer. The agent's two tools run, the reward is 1, and
     the trajectory holds the three sampled replies verbatim with the tool results as masked observations."""
     from trajgrad.envs.base import Task
-    from trajgrad.model.tiny import build_tiny_model
-    from trajgrad.rollout.chat import encode, end_of_turn_id
-    from trajgrad.train.proxy import ProxySampler
 
-    s = ProxySampler(build_tiny_model(tok, seed=0), tok, agent="shop_tasks:episode", temperature=1.0, top_k=None,
-                     top_p=None, max_new_tokens=64, console=lambda m: None)
     replies = ['<tool_call>{"name": "lookup_price", "arguments": {"item": "apples"}}</tool_call>',
                '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 3}}</tool_call>', "9"]
-    script = list(replies)
-    eot = end_of_turn_id(tok)
-
-    def submit(rows, key, seed):
-        ids = encode(tok, script.pop(0)) + [eot]
-        f = Future()
-        f.set_result(([(ids, [-0.25] * len(ids), False) for _ in rows], s.state.policy_version))
-        return f
-
-    s.state.submit = submit
+    s = scripted_proxy(tok, "shop_tasks:episode", replies)
     try:
         task = Task(id="q", split="heldout", prompt="How much do 3 apples cost?", answer=9)
         (traj,) = s.rollout(None, [task])
@@ -69,24 +56,13 @@ def test_the_unchanged_agent_loop_is_recorded_through_the_proxy(shop, tok):
 
 
 def _train(tmp_path, **over):
-    import trajgrad
-
-    base = {"log.progress": False, "sampling.max_new_tokens": 16, "model.tiny.hidden_size": 32}
-    base.update(over)
-    return trajgrad.train(config=EXAMPLE / "shop_tiny.yaml", overrides=base, run_dir=tmp_path / "run",
-                          console=lambda m: None)
+    return train_example(EXAMPLE / "shop_tiny.yaml", tmp_path, **over)
 
 
 def test_example_trains_on_the_tiny_model(shop, tmp_path):
     s = _train(tmp_path, **{"rollout.proxy.agent": "shop_tasks:episode", "train.steps": 2})
     assert s["steps"] == 2
-    lines = [json.loads(x) for x in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
-    assert len(lines) == 16 and all(x["task_id"].startswith("shop-train-") for x in lines)
-    assert [{t["policy_version"] for t in x["turns"]} for x in lines] == [{0}] * 8 + [{1}] * 8
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if m.get("kind") == "train"]
-    assert [m["policy_version"] for m in steps] == [1.0, 2.0]
-    assert all(m["mismatch/max_abs_log_ratio"] < 1e-5 for m in steps)
+    check_two_steps(tmp_path, "shop-train-")
 
 
 def test_example_shell_command_as_configured(shop, tmp_path, monkeypatch):

@@ -77,6 +77,19 @@ def _learner_ratio(model, trajs, **sampling):
     return torch.where(mask, ratio, torch.ones_like(ratio)), mask
 
 
+def check_recorded(traj, served_turns, prompts, model, sampling):
+    """The episode holds each served turn (token ids, log-probs, version 0), each prompt is the previous
+    prompt + sample + observation, and the learner's recomputation gives |ratio - 1| < 1e-5."""
+    assert traj is not None and "diverged" not in traj.metadata and len(traj.turns) == len(served_turns)
+    for k, (turn, (ids, lps)) in enumerate(zip(traj.turns, served_turns)):
+        assert turn.action_ids == ids and turn.behaviour_logp == lps and turn.policy_version == 0
+        if k + 1 < len(prompts):
+            assert prompts[k + 1] == prompts[k] + ids + turn.observation_ids
+    assert traj.token_ids() == prompts[-1] + served_turns[-1][0]
+    ratio, m = _learner_ratio(model, [traj], **sampling)
+    assert float((ratio - 1).abs().max()) < 1e-5 and int(m.sum()) == sum(len(t) for t, _ in served_turns)
+
+
 # ----------------------------------------------------------------------------- shape
 def test_chat_completion_shape_and_usage(served, client, qtok):
     msgs = [SYSTEM, {"role": "user", "content": "hello"}]

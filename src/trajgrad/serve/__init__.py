@@ -38,8 +38,14 @@ Endpoints:
   (``finish_reason: "tool_calls"``). Sampled by the same batcher and transform as
   ``/v1/completions``; ``logprobs.content`` lists every sampled token, the end of turn
   included.
+* ``POST /v1/messages`` (:mod:`~trajgrad.serve.messages`, the Anthropic Messages API) and
+  ``POST /v1/responses`` (:mod:`~trajgrad.serve.responses`, the OpenAI Responses API,
+  stateless): translated into the chat conversation and answered (sampled, recorded) by the
+  same code as ``/v1/chat/completions``; streamed as each API's event sequence
+  (:mod:`~trajgrad.serve.messages_stream`, :mod:`~trajgrad.serve.responses_stream`);
+  ``/v1/messages`` errors in Anthropic's shape.
 * Sessions (:mod:`~trajgrad.serve.sessions`): the ``X-Trajgrad-Session`` header, the
-  ``/s/{session}/v1/...`` base URL or the ``user`` field groups the chat calls of one
+  ``/s/{session}/v1/...`` base URL or the ``user`` field groups the calls of one
   episode; each call must extend the previous call's prompt + sampled tokens (token in /
   token out), else the divergence is counted and the episode marked.
   ``POST /v1/trajgrad/episodes/{id}/reward`` ``{"reward", "success"?, "info"?}`` ends it
@@ -72,7 +78,8 @@ process can read. It binds to 127.0.0.1 by default; expose it only on a trusted 
 Modules: :mod:`~trajgrad.serve.app` (the FastAPI app, ``main``), :mod:`~trajgrad.serve.requests`
 (request fields and the sampling plan), :mod:`~trajgrad.serve.completions` (choices,
 log-probs), :mod:`~trajgrad.serve.chat_requests` / :mod:`~trajgrad.serve.chat` (chat
-completions), :mod:`~trajgrad.serve.sessions` (episode recording), :mod:`~trajgrad.serve.client`
+completions), :mod:`~trajgrad.serve.messages` / :mod:`~trajgrad.serve.responses` (and their
+``_stream`` modules), :mod:`~trajgrad.serve.sessions` (episode recording), :mod:`~trajgrad.serve.client`
 (reward helper), :mod:`~trajgrad.serve.loopback` (in-process server),
 :mod:`~trajgrad.serve.state` (model, lock, batcher, scoring),
 :mod:`~trajgrad.serve.reload` (``/reload``), :mod:`~trajgrad.serve.errors`. It builds on

@@ -11,7 +11,11 @@ from ..model.dtype import DTYPES
 from .chat import chat_complete, sse_chunks
 from .chat_requests import ChatRequest, RewardRequest
 from .completions import complete
-from .errors import RequestError, error_body, validation_message
+from .errors import RequestError, anthropic_error_body, error_body, validation_message
+from .messages import CountTokensRequest, MessagesRequest, count_tokens, create_message
+from .messages_stream import message_events
+from .responses import ResponsesRequest, create_response
+from .responses_stream import response_events
 from .reload import load_weights
 from .requests import CompletionRequest, ReloadRequest
 from .sessions import Sessions
@@ -102,18 +106,23 @@ def create_app(
     state.accept_any_model = bool(accept_any_model)
     app.state.trajgrad = state
 
+    def _error(request: Request, message: str, status: int, param: Optional[str]):
+        if "/v1/messages" in request.url.path:  # Anthropic's clients read Anthropic's shape
+            return JSONResponse(anthropic_error_body(message, status), status_code=status)
+        return JSONResponse(error_body(message, status, param), status_code=status)
+
     @app.exception_handler(RequestError)
-    async def _request_error(_request: Request, exc: RequestError):
-        return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(request, str(exc), exc.status, exc.param)
 
     @app.exception_handler(Exception)
-    async def _server_error(_request: Request, exc: Exception):
-        return JSONResponse(error_body(f"server: {type(exc).__name__}: {exc}", 500, None), status_code=500)
+    async def _server_error(request: Request, exc: Exception):
+        return _error(request, f"server: {type(exc).__name__}: {exc}", 500, None)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc.errors())
-        return JSONResponse(error_body(message, 400, param), status_code=400)
+        return _error(request, message, 400, param)
 
     @app.get("/health")
     async def health():
@@ -138,14 +147,18 @@ def create_app(
         except ValueError as exc:  # a sampling argument the sampler refused
             raise RequestError(str(exc)) from exc
 
-    async def _chat(req, session):
+    async def _answer(protocol, req, session):
+        """``protocol``'s answer to ``req`` (chat completion, message, response), recorded under ``session``."""
         try:
-            out = await chat_complete(state, sessions, req, session, fixed_sampling=fixed_sampling,
-                                      default_max_tokens=chat_max_tokens)
+            return await protocol(state, sessions, req, session, fixed_sampling=fixed_sampling,
+                                  default_max_tokens=chat_max_tokens)
         except RequestError:
             raise
         except ValueError as exc:  # a sampling argument the sampler refused
             raise RequestError(str(exc)) from exc
+
+    async def _chat(req, session):
+        out = await _answer(chat_complete, req, session)
         stream, usage = out.pop("_stream")
         if stream:
             return StreamingResponse(sse_chunks(state.tokenizer, out, usage), media_type="text/event-stream")
@@ -158,6 +171,42 @@ def create_app(
     @app.post("/s/{session}/v1/chat/completions")
     async def session_chat_completions(session: str, req: ChatRequest):
         return await _chat(req, session)
+
+    async def _messages(req, session):
+        out = await _answer(create_message, req, session)
+        if req.stream:
+            return StreamingResponse(message_events(state.tokenizer, out), media_type="text/event-stream")
+        return out
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, x_trajgrad_session: Optional[str] = Header(None)):
+        return await _messages(req, x_trajgrad_session)
+
+    @app.post("/s/{session}/v1/messages")
+    async def session_messages(session: str, req: MessagesRequest):
+        return await _messages(req, session)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest):
+        return await run_in_threadpool(count_tokens, state, req)
+
+    @app.post("/s/{session}/v1/messages/count_tokens")
+    async def session_messages_count_tokens(session: str, req: CountTokensRequest):
+        return await run_in_threadpool(count_tokens, state, req)
+
+    async def _responses(req, session):
+        out = await _answer(create_response, req, session)
+        if req.stream:
+            return StreamingResponse(response_events(state.tokenizer, out), media_type="text/event-stream")
+        return out
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, x_trajgrad_session: Optional[str] = Header(None)):
+        return await _responses(req, x_trajgrad_session)
+
+    @app.post("/s/{session}/v1/responses")
+    async def session_responses(session: str, req: ResponsesRequest):
+        return await _responses(req, session)
 
     @app.get("/s/{session}/v1/models")
     async def session_models(session: str):

@@ -28,14 +28,14 @@ import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..envs.toolcalls import parse_tool_calls
-from ..rollout.chat import end_of_turn_id, prompt_ids
-from .chat_requests import ChatPlan, plan_chat, rendered
+from ..rollout.chat import end_of_turn_id
+from .chat_requests import ChatPlan, plan_chat, render_prompt
 from .completions import _top_logprobs
 from .errors import RequestError
 from .sessions import Candidate, Sessions
 from .state import ServerState
 
-__all__ = ["chat_complete", "sse_chunks"]
+__all__ = ["answer_chat", "chat_complete", "recorded_fields", "sse_chunks", "text_pieces"]
 
 _TAGGED = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -50,7 +50,8 @@ def _message(plan: ChatPlan, text: str) -> Dict[str, Any]:
     if calls and all(c.error is None for c in calls):
         content = _TAGGED.sub("", text).strip() if "<tool_call>" in text else ""
         return {"content": content, "tool_calls": [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments} for c in calls]}
+            {"id": f"{plan.call_prefix}{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments}
+            for c in calls]}
     return {"content": text, "tool_calls": []}
 
 
@@ -83,6 +84,14 @@ async def chat_complete(state: ServerState, sessions: Sessions, req, session_id:
                         default_max_tokens: int = 256) -> Dict[str, Any]:
     """The chat completion for ``req`` (recorded under ``session_id`` when given); see the module doc."""
     plan = plan_chat(state, req, fixed_sampling=fixed_sampling, default_max_tokens=default_max_tokens)
+    return await answer_chat(state, sessions, plan, session_id)
+
+
+async def answer_chat(state: ServerState, sessions: Sessions, plan: ChatPlan,
+                      session_id: Optional[str]) -> Dict[str, Any]:
+    """Sample the checked ``plan`` (recorded under ``session_id`` when given): the chat completion.
+
+    The one sampling + recording path of every protocol (chat completions, Messages, Responses)."""
     session = sessions.get(session_id, create=True) if session_id else None
     if session is None:
         return await _answer(state, sessions, plan, None)
@@ -95,10 +104,7 @@ async def _answer(state: ServerState, sessions: Sessions, plan: ChatPlan, sessio
     if session is not None:
         prompt = sessions.prepare(session, plan)
     else:
-        try:
-            prompt = prompt_ids(tok, [rendered(m) for m in plan.messages], plan.tools)
-        except ValueError as exc:
-            raise RequestError(str(exc), param="tools" if str(exc).startswith("tools") else "messages") from None
+        prompt = render_prompt(tok, plan.messages, plan.tools)
     if not prompt:
         raise RequestError("messages: the conversation renders to no tokens", param="messages")
     if max(prompt) >= state.vocab_size:
@@ -160,6 +166,33 @@ async def _answer(state: ServerState, sessions: Sessions, plan: ChatPlan, sessio
     }
 
 
+def recorded_fields(out: Dict[str, Any]) -> Dict[str, Any]:
+    """The extensions a Messages or Responses reply carries, from :func:`answer_chat`'s first choice
+    (sampled with ``logprobs``): ``token_ids`` and ``token_logprobs`` (every sampled token, the end of
+    turn included), ``policy_version``, ``prompt_token_ids``, ``session``."""
+    choice = out["choices"][0]
+    return {"token_ids": choice["token_ids"], "token_logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+            "policy_version": out["policy_version"], "prompt_token_ids": out["prompt_token_ids"],
+            "session": out["session"]}
+
+
+def text_pieces(tokenizer, ids: List[int], content: str) -> List[str]:
+    """The text each sampled token adds to ``content`` (the reply's final text), one piece per token.
+
+    A token that ends inside a multi-byte character adds "" (its text comes with a later one); the
+    last token's piece completes ``content``, so the pieces join to it."""
+    pieces, shown = [], ""
+    for j in range(len(ids)):
+        text = content if j == len(ids) - 1 else _decode(tokenizer, ids[:j + 1])
+        piece = ""
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            piece, shown = text[len(shown):], text
+        if j == len(ids) - 1 and not content.startswith(shown):
+            piece = content
+        pieces.append(piece)
+    return pieces
+
+
 def _event(obj: Dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -190,16 +223,8 @@ def sse_chunks(tokenizer, response: Dict[str, Any], include_usage: bool) -> Iter
             yield chunk(i, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]},
                         {"content": entries, "refusal": None} if entries is not None else None)
         else:
-            ids = choice["token_ids"]
-            shown = ""
-            for j in range(len(ids)):
+            for j, piece in enumerate(text_pieces(tokenizer, choice["token_ids"], msg["content"])):
                 entry = [entries[j]] if entries is not None else None
-                text = msg["content"] if j == len(ids) - 1 else _decode(tokenizer, ids[:j + 1])
-                piece = ""
-                if text.startswith(shown) and len(text) >= len(shown) and not text.endswith("\ufffd"):
-                    piece, shown = text[len(shown):], text
-                if j == len(ids) - 1 and not msg["content"].startswith(shown):
-                    piece = msg["content"]
                 if piece or entry is not None:
                     yield chunk(i, {"content": piece}, {"content": entry, "refusal": None} if entry else None)
         yield chunk(i, {}, finish=choice["finish_reason"], token_ids=choice["token_ids"],

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..envs.toolcalls import format_tool_call
+from ..rollout.chat import prompt_ids
 from .errors import RequestError
 from .requests import Plan, _finite, _neutral
 from .state import ServerState
 
-__all__ = ["ChatRequest", "ChatPlan", "RewardRequest", "plan_chat", "normalize_messages", "canonical_tools"]
+__all__ = ["ChatRequest", "ChatPlan", "SamplingRequest", "RewardRequest", "plan_chat", "normalize_messages",
+           "canonical_tools", "function_tool", "join_text", "render_prompt"]
 
 _MAX_TOP_LOGPROBS = 20
 _MIN_TEMPERATURE = 1e-6
@@ -34,27 +36,31 @@ def _schemas():
 
     Number = Union[StrictInt, StrictFloat]
 
-    class ChatRequest(BaseModel):
+    class SamplingRequest(BaseModel):
+        """The fields every chat-like request (chat completions, Messages, Responses) shares."""
+
         model_config = ConfigDict(extra="forbid")
 
         model: Optional[str] = None
-        messages: List[Dict[str, Any]]
         tools: Optional[List[Dict[str, Any]]] = None
-        tool_choice: Optional[Union[str, Dict[str, Any]]] = None
-        parallel_tool_calls: Optional[StrictBool] = None
         temperature: Optional[Number] = None
         top_p: Optional[Number] = None
         top_k: Optional[StrictInt] = None
+        stream: Optional[StrictBool] = False
+        metadata: Optional[Dict[str, Any]] = None
+
+    class ChatRequest(SamplingRequest):
+        messages: List[Dict[str, Any]]
+        tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+        parallel_tool_calls: Optional[StrictBool] = None
         max_tokens: Optional[StrictInt] = None
         max_completion_tokens: Optional[StrictInt] = None
         seed: Optional[StrictInt] = None
         logprobs: Optional[StrictBool] = None
         top_logprobs: Optional[StrictInt] = None
         n: StrictInt = 1
-        stream: Optional[StrictBool] = False
         stream_options: Optional[Dict[str, Any]] = None
         user: Optional[str] = None
-        metadata: Optional[Dict[str, Any]] = None
         store: Optional[StrictBool] = None
         # accepted only at their neutral values (they would change the distribution)
         stop: Optional[Union[str, List[str]]] = None
@@ -72,10 +78,10 @@ def _schemas():
         success: Optional[StrictBool] = None
         info: Optional[Dict[str, Any]] = None
 
-    return ChatRequest, RewardRequest
+    return SamplingRequest, ChatRequest, RewardRequest
 
 
-ChatRequest, RewardRequest = _schemas()
+SamplingRequest, ChatRequest, RewardRequest = _schemas()
 
 
 @dataclass
@@ -95,6 +101,7 @@ class ChatPlan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    call_prefix: str = "call_"  # the prefix of the ids given to parsed tool calls
 
     def logprob_plan(self, state: ServerState) -> Plan:
         """The completions :class:`~trajgrad.serve.requests.Plan` that ``_top_logprobs`` reads."""
@@ -120,6 +127,38 @@ def _content(i: int, m: Dict[str, Any]) -> str:
         return "".join(parts)
     raise RequestError(f"messages[{i}].content: expected a string or a list of text parts, got "
                        f"{type(c).__name__}", param=f"messages[{i}].content")
+
+
+def join_text(content: Any, where: str, kinds: Tuple[str, ...]) -> str:
+    """``content`` as one string: a string, or a list of ``{"type": <one of kinds>, "text": ...}`` parts
+    joined; a :class:`RequestError` naming ``where`` (or the bad part's ``type``) otherwise."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: expected a string or a list of text parts, got {type(content).__name__}",
+                           param=where)
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{k}].type: only {' / '.join(kinds)} parts with a text are supported here, "
+                               f"got {kind!r}", param=f"{where}[{k}].type")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def function_tool(k: int, tool: Dict[str, Any], schema_key: str) -> Dict[str, Any]:
+    """``tools[k]`` of a Messages (``schema_key="input_schema"``) or Responses (``"parameters"``) request as
+    the chat template's OpenAI function schema. ``strict`` is refused: it needs constrained decoding."""
+    if tool.get("strict"):
+        raise RequestError(f"tools[{k}].strict: strict arguments need constrained decoding, which changes the "
+                           f"sampling distribution; omit it or send false", param=f"tools[{k}].strict")
+    fn = {"name": tool["name"]}
+    if tool.get("description"):
+        fn["description"] = tool["description"]
+    if tool.get(schema_key) is not None:
+        fn["parameters"] = tool[schema_key]
+    return {"type": "function", "function": fn}
 
 
 def _tool_calls(i: int, calls: Any) -> List[Dict[str, Any]]:
@@ -180,6 +219,15 @@ def rendered(message: Dict[str, Any]) -> Dict[str, Any]:
     if "name" in message:
         msg["name"] = message["name"]
     return msg
+
+
+def render_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]]) -> List[int]:
+    """The prompt tokens of normalized ``messages`` rendered afresh by the chat template; a
+    :class:`RequestError` naming ``tools`` or ``messages`` when the template refuses them."""
+    try:
+        return prompt_ids(tokenizer, [rendered(m) for m in messages], tools)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="tools" if str(exc).startswith("tools") else "messages") from None
 
 
 def canonical_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:

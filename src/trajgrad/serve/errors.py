@@ -1,9 +1,13 @@
-"""Client errors of ``trajgrad serve``: OpenAI-shaped error bodies that name the field."""
+"""Client errors of ``trajgrad serve``: error bodies that name the field, in OpenAI's shape or Anthropic's.
+
+OpenAI's (every endpoint but ``/v1/messages``): ``{"error": {"message", "type", "param", "code"}}``.
+Anthropic's (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``, the message
+starting with the field's name."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RequestError", "error_body", "validation_message"]
+__all__ = ["RequestError", "anthropic_error_body", "error_body", "validation_message"]
 
 
 class RequestError(ValueError):
@@ -21,6 +25,16 @@ def error_body(message: str, status: int, param: Optional[str]) -> Dict[str, Any
     if status == 404:
         kind = "not_found_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error_body(message: str, status: int) -> Dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 _EXPECTED = {

@@ -10,15 +10,18 @@ once per episode:
 
 * a **shell command** (``rollout.proxy.agent: "python my_agent.py"``), with
   ``OPENAI_BASE_URL=http://127.0.0.1:PORT/s/<session>/v1`` (the session is in the URL, so
-  ``openai.OpenAI()`` records every call under it unchanged), ``OPENAI_API_KEY``,
+  ``openai.OpenAI()`` records every call under it unchanged: chat completions and
+  responses), ``ANTHROPIC_BASE_URL=http://127.0.0.1:PORT/s/<session>`` (``anthropic.Anthropic()``
+  appends ``/v1/messages``), ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``,
   ``TRAJGRAD_SESSION``, ``TRAJGRAD_REWARD_URL``, ``TRAJGRAD_MODEL``, ``TRAJGRAD_TASK_ID``,
   ``TRAJGRAD_SPLIT`` and ``TRAJGRAD_TASK`` (the task as JSON: ``id``, ``split``,
   ``prompt``, ``answer``, ``metadata``), the trainer's Python first on ``PATH`` (``python``
   is the interpreter that trains);
 * or a **Python callable** ``"package.module:function"``, called in a thread with the
   keyword arguments it names among ``task`` (the :class:`~trajgrad.envs.base.Task`),
-  ``base_url``, ``session``, ``model``, ``api_key``; returning a number (the reward), a dict
-  ``{"reward", "success"}`` or None (it reported the reward itself).
+  ``base_url`` (``.../s/<session>/v1``, an OpenAI client's), ``anthropic_base_url``
+  (``.../s/<session>``, an Anthropic client's), ``session``, ``model``, ``api_key``; returning
+  a number (the reward), a dict ``{"reward", "success"}`` or None (it reported the reward itself).
 
 The reward ends the episode (``POST /v1/trajgrad/episodes/{session}/reward``, e.g.
 :func:`trajgrad.serve.client.report_reward`). ``G`` episodes per task
@@ -58,7 +61,7 @@ from ..rollout.trajectory import Trajectory
 __all__ = ["ProxySampler", "build_proxy_sampler", "check_proxy_config", "is_callable_spec", "load_agent"]
 
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_ARGS = ("task", "base_url", "session", "model", "api_key")
+_ARGS = ("task", "base_url", "anthropic_base_url", "session", "model", "api_key")
 API_KEY = "trajgrad-local"
 
 
@@ -287,7 +290,8 @@ class ProxySampler:
     def _call(self, base: str, sid: str, task, deadline: float) -> str:
         params = inspect.signature(self._fn).parameters
         accepts_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        values = {"task": task, "base_url": base, "session": sid, "model": self.model_name, "api_key": API_KEY}
+        values = {"task": task, "base_url": base, "anthropic_base_url": base[:-len("/v1")], "session": sid,
+                  "model": self.model_name, "api_key": API_KEY}
         kwargs = {k: v for k, v in values.items() if accepts_all or k in params}
         box: Dict[str, Any] = {}
 
@@ -315,7 +319,8 @@ class ProxySampler:
 
     def _command(self, url: str, base: str, sid: str, task, deadline: float) -> str:
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        env = dict(os.environ, PATH=path, OPENAI_BASE_URL=base, OPENAI_API_KEY=API_KEY, TRAJGRAD_SESSION=sid,
+        env = dict(os.environ, PATH=path, OPENAI_BASE_URL=base, OPENAI_API_KEY=API_KEY,
+                   ANTHROPIC_BASE_URL=f"{url}/s/{sid}", ANTHROPIC_API_KEY=API_KEY, TRAJGRAD_SESSION=sid,
                    TRAJGRAD_REWARD_URL=f"{url}/v1/trajgrad/episodes/{sid}/reward", TRAJGRAD_MODEL=self.model_name,
                    TRAJGRAD_TASK_ID=str(task.id), TRAJGRAD_SPLIT=str(getattr(task, "split", "train")),
                    TRAJGRAD_TASK=_task_json(task))
