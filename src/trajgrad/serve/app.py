@@ -6,6 +6,7 @@ import sys
 import threading
 from typing import Optional
 
+from .._optional import require
 from ..model.build import build_model
 from ..model.dtype import DTYPES
 from .chat import chat_complete, sse_chunks
@@ -67,6 +68,7 @@ def create_app(
       accept_any_model: answer chat calls naming any ``model`` (agents often hard-code one);
         otherwise a model other than ``model_name`` gets 404.
     """
+    require("fastapi", "trajgrad serve and the recording proxy")
     from fastapi import FastAPI, Header, Request
     from fastapi.concurrency import run_in_threadpool
     from fastapi.exceptions import RequestValidationError
@@ -274,7 +276,7 @@ def main(
       tiny_*: the tiny model's construction (must match the learner's to sync weights).
       log_level: uvicorn's log level.
     """
-    import uvicorn
+    uvicorn = require("uvicorn", "trajgrad serve")
 
     if host not in _LOOPBACK:
         print(f"trajgrad serve: WARNING: binding {host}; this server has no authentication and /reload "
