@@ -65,6 +65,12 @@ def picture() -> list:
     return [TextContent(type="text", text="a red dot:"), ImageContent(type="image", data="aGVsbG8=", mime_type="image/png")]
 
 
+@server.tool()
+def getenv(var: str) -> str:
+    """The server's environment variable ``var`` ("" when unset)."""
+    return os.environ.get(var, "")
+
+
 @server.tool(annotations=ToolAnnotations(destructive_hint=True))
 def wipe(target: str) -> str:
     """Delete a target (annotated destructive)."""
@@ -74,7 +80,7 @@ def wipe(target: str) -> str:
 if __name__ == "__main__":
     if os.environ.get("MCP_TOOLS"):
         keep = set(os.environ["MCP_TOOLS"].split(","))
-        for name in ("add", "counter", "fail", "rpc_error", "sleep", "crash", "picture", "wipe"):
+        for name in ("add", "counter", "fail", "rpc_error", "sleep", "crash", "picture", "getenv", "wipe"):
             if name not in keep:
                 server.remove_tool(name)
     if os.environ.get("MCP_PID_DIR"):

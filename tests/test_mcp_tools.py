@@ -55,11 +55,12 @@ def exact(prompts, completions, answer, **kwargs):
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
-def test_stdio_tools_are_listed_called_and_guarded_and_each_episode_has_its_own_server(tmp_path):
+def test_stdio_tools_are_listed_called_and_guarded_and_each_episode_has_its_own_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAJGRAD_TEST_SECRET", "s3cret")
     env = ToolEnv([], lambda text, task: float(text.strip() == task.answer), max_turns=12,
                   confirm=lambda name, arg: json.loads(arg)["target"] == "tmp", mcp=[stdio(tmp_path)])
     schemas = {s["function"]["name"]: s for s in env.tool_schemas}
-    assert set(schemas) == {"add", "counter", "fail", "rpc_error", "sleep", "crash", "picture", "wipe"}
+    assert set(schemas) == {"add", "counter", "fail", "rpc_error", "sleep", "crash", "picture", "getenv", "wipe"}
     add = schemas["add"]
     assert add["type"] == "function" and add["function"]["description"] == "Add two integers."
     assert add["function"]["parameters"]["required"] == ["a", "b"]
@@ -83,7 +84,11 @@ def test_stdio_tools_are_listed_called_and_guarded_and_each_episode_has_its_own_
     assert call(env, "wipe", target="db").messages[0]["content"] == "error: tool 'wipe' was not confirmed; refused"
     assert call(env, "wipe", target="tmp").messages[0]["content"] == "wiped tmp"
     first = [p for p in started(tmp_path) if alive(p)]
-    assert len(first) == 1
+    assert len(first) == 1 and os.getpgid(first[0]) == first[0]  # in its own process group
+    # the server's environment: the config's env and the SDK's short default list, not the run's
+    assert call(env, "getenv", var="MCP_PID_DIR").messages[0]["content"] == str(tmp_path)
+    assert call(env, "getenv", var="PATH").messages[0]["content"] == os.environ["PATH"]
+    assert call(env, "getenv", var="TRAJGRAD_TEST_SECRET").messages[0]["content"] == ""
     r = env.step("5")  # the final answer ends the episode and its server
     assert r.terminated and r.reward == 1.0 and r.info["mcp_calls"] == 0
     assert wait_gone(first) == []
@@ -132,6 +137,29 @@ def test_shared_mode_keeps_one_server_per_process_and_warns_that_state_may_leak(
     assert len(pids) == 2 and len([p for p in pids if alive(p)]) == 1  # the listing's server, then the shared one
     close_mcp_servers()  # run end (also registered at interpreter exit)
     assert wait_gone(pids) == []
+
+
+def test_servers_left_open_are_stopped_when_the_process_exits(tmp_path):
+    """A run that ends without closing (its servers stuck in a call, so that closing stdin alone
+    would not end them) leaves no server behind: they are stopped at interpreter exit."""
+    hung = {"tools": "sleep", "timeout_s": 1.0}
+    script = f"""
+from trajgrad.envs import Task, ToolEnv, format_tool_call
+for spec in {[stdio(tmp_path, **hung), stdio(tmp_path, shared=True, **hung)]!r}:
+    env = ToolEnv([], lambda text, task: 0.0, mcp=[spec])
+    env.reset(Task("t", "train", "q", "a"))
+    r = env.step(format_tool_call("sleep", {{"seconds": 60}}))
+    assert r.info["mcp_errors"] == {{"timeout": 1}}, r.info
+print("left open")
+"""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as fh:  # a file, not a pipe: the servers inherit it, and a pipe would wait for them
+        code = subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).returncode
+    assert code == 0 and "left open" in log.read_text(), log.read_text()[-2000:]
+    log.unlink()
+    pids = started(tmp_path)
+    assert len(pids) == 3 and wait_gone(pids) == []  # the listing (once per server), the episode's, the shared one
 
 
 def _free_port():
