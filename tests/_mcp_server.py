@@ -3,7 +3,8 @@
 ``python _mcp_server.py`` serves over stdio; ``python _mcp_server.py --http PORT`` over
 streamable HTTP on 127.0.0.1:PORT (path ``/mcp``). With ``MCP_PID_DIR`` set, the process
 writes an empty file named after its pid there at start (the tests check that every server
-they started is stopped); ``MCP_TOOLS=add,counter`` keeps only those tools.
+they started is stopped); ``MCP_TOOLS=add,counter`` keeps only those tools; with
+``MCP_START_ONCE=PATH`` it exits at once when PATH exists, else creates it (it starts once).
 """
 import os
 import sys
@@ -11,6 +12,10 @@ import time
 
 if __name__ == "__main__" and os.environ.get("MCP_PID_DIR"):  # first, before the SDK's imports
     open(os.path.join(os.environ["MCP_PID_DIR"], str(os.getpid())), "w").close()
+if __name__ == "__main__" and os.environ.get("MCP_START_ONCE"):  # a server that starts only the first time
+    if os.path.exists(os.environ["MCP_START_ONCE"]):
+        sys.exit("refusing to start twice")
+    open(os.environ["MCP_START_ONCE"], "w").close()
 
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError

@@ -123,6 +123,18 @@ def test_a_hung_or_crashed_server_is_a_tool_error_and_never_stops_the_episode(tm
     assert wait_gone(started(tmp_path)) == []
 
 
+def test_a_server_that_does_not_start_for_an_episode_is_a_start_error(tmp_path):
+    spec = stdio(tmp_path, tools="add")
+    spec["env"]["MCP_START_ONCE"] = str(tmp_path.parent / f"{tmp_path.name}-started")
+    env = ToolEnv([], lambda text, task: 0.0, mcp=[spec])  # the listing's server starts
+    env.reset(TASK)  # the episode's does not
+    r = call(env, "add", a=1, b=1)
+    assert r.messages[0]["content"].startswith("error: the MCP server did not start (") and r.info["mcp_errors"] == {
+        "start": 1}
+    env.close()
+    assert wait_gone(started(tmp_path)) == []
+
+
 def test_shared_mode_keeps_one_server_per_process_and_warns_that_state_may_leak(tmp_path):
     with pytest.warns(UserWarning, match=r"mcp\.0\.shared: .*state may leak between episodes"):
         tools = MCPTools(stdio(tmp_path, tools="counter", shared=True), key="mcp.0")
@@ -194,7 +206,8 @@ def test_streamable_http_server_on_loopback(tmp_path):
         proc.kill()
         proc.wait(10)
         r = call(env, "add", a=1, b=1)  # the server is gone: a tool error, the episode goes on
-        assert r.messages[0]["content"].startswith("error: ") and r.info["mcp_errors"] == {"crash": 1}
+        assert r.messages[0]["content"].startswith("error: the MCP server connection broke (")
+        assert r.info["mcp_errors"] == {"crash": 1}
         assert not (r.terminated or r.truncated)
         env.close()
     finally:
