@@ -282,6 +282,37 @@ def test_rollouts_of_a_group_each_get_their_own_server_and_every_server_stops(tm
     assert len(started(tmp_path)) == 5 and wait_gone(started(tmp_path)) == []
 
 
+class _Endless:
+    """An environment that never ends an episode itself; the collector cuts it at ``max_turns``."""
+
+    name, max_turns, closed = "endless", 2, []
+
+    def reset(self, task):
+        return [{"role": "user", "content": task.prompt}]
+
+    def step(self, action_text):
+        from trajgrad.envs import StepResult
+
+        return StepResult([{"role": "user", "content": "go on"}], 0.0, False, False, {})
+
+    def potential(self):
+        return 0.0
+
+    def close(self):
+        self.closed.append(id(self))
+
+
+def test_the_collector_closes_each_environment_once_when_it_ends_the_episode(tok):
+    from trajgrad.rollout.episodes import EpisodeRunner
+
+    _Endless.closed = []
+    envs = []
+    make = lambda: envs.append(_Endless()) or envs[-1]  # noqa: E731
+    trajs = EpisodeRunner(Scripted(tok, ["more"]), tok).rollout(make, [TASK], group_size=3, seed=0)
+    assert [t.truncated for t in trajs] == [True] * 3 and len(trajs[0].turns) == 2
+    assert sorted(_Endless.closed) == sorted(id(e) for e in envs)  # each once
+
+
 @pytest.mark.slow
 def test_a_yaml_task_config_with_an_mcp_server_trains(tmp_path):
     from typer.testing import CliRunner
