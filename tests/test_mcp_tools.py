@@ -80,7 +80,7 @@ def test_stdio_tools_are_listed_called_and_guarded_and_each_episode_has_its_own_
     assert r.messages[0]["content"] == "error: rpc_error: JSON-RPC error -32602: rpc_error refuses every request"
     assert r.info["mcp_errors"] == {"rpc": 1}
     r = call(env, "picture")  # non-text content is described
-    assert r.messages[0]["content"] == "a red dot:\n[image content: image/png, 6 bytes, not shown]"
+    assert r.messages[0]["content"] == "a red dot:\n[image content: image/png, 5 bytes, not shown]"
     # destructiveHint: the confirmation hook decides, as for an irreversible Python tool
     assert call(env, "wipe", target="db").messages[0]["content"] == "error: tool 'wipe' was not confirmed; refused"
     assert call(env, "wipe", target="tmp").messages[0]["content"] == "wiped tmp"

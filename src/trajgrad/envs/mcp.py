@@ -166,6 +166,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _b64_size(data: str) -> int:
+    """Bytes encoded by the base64 text ``data``."""
+    return len(data) * 3 // 4 - data[-2:].count("=")
+
+
 def _content_text(result: Any) -> str:
     """The text of a ``CallToolResult``: text blocks as is, other blocks described."""
     parts = []
@@ -174,14 +179,14 @@ def _content_text(result: Any) -> str:
         if kind == "text":
             parts.append(block.text)
         elif kind in ("image", "audio"):
-            parts.append(f"[{kind} content: {block.mime_type}, {len(block.data) * 3 // 4} bytes, not shown]")
+            parts.append(f"[{kind} content: {block.mime_type}, {_b64_size(block.data)} bytes, not shown]")
         elif kind == "resource_link":
             parts.append(f"[resource link: {block.uri} ({block.name})]")
         elif kind == "resource":
             res = block.resource
             text = getattr(res, "text", None)
             parts.append(text if text is not None else
-                         f"[resource {res.uri}: {res.mime_type or 'binary'}, {len(res.blob) * 3 // 4} bytes, not shown]")
+                         f"[resource {res.uri}: {res.mime_type or 'binary'}, {_b64_size(res.blob)} bytes, not shown]")
         else:
             parts.append(f"[{kind or type(block).__name__} content, not shown]")
     if not parts and result.structured_content is not None:
