@@ -13,6 +13,7 @@ tool) and ``"guess"`` (find a hidden integer from higher/lower replies).
 * :mod:`.toolcalls` - Hermes ``<tool_call>`` / bare-JSON calls parsed from replies, run
   under the registry's guards, results as ``tool``-role messages.
 * :mod:`.toolenv` - :class:`ToolEnv`, a multi-turn environment over typed tools.
+* :mod:`.mcp` - tools of MCP servers (stdio or streamable HTTP) for :class:`ToolEnv`.
 * :mod:`.dataset` - task source ``"dataset"``: prompts from files, reward functions by import path.
 * :mod:`.adapters` - gymnasium, ``verifiers`` and OpenEnv environments as task sources.
 

@@ -95,7 +95,12 @@ class StepResult(NamedTuple):
 
 @runtime_checkable
 class Environment(Protocol):
-    """A multi-turn text environment (one instance per concurrent episode)."""
+    """A multi-turn text environment (one instance per concurrent episode).
+
+    An optional ``close()`` method is called once by the rollout collector when the episode
+    ends (or the rollout fails): :class:`~trajgrad.envs.toolenv.ToolEnv` stops its episode's
+    MCP servers there.
+    """
 
     name: str
     max_turns: int

@@ -15,9 +15,12 @@ unchanged. With several functions the episode's reward is :math:`\sum_i w_i r_i`
 (``reward`` as ``{"mod:fn": weight}``; a list or a single string weighs each 1).
 ``info["success"]`` is ``reward >= success_threshold``.
 
-With ``tools`` (import strings of typed functions) the task is a tool task
-(:class:`~trajgrad.envs.toolenv.ToolEnv`): the model may call the tools for up to
-``max_turns`` turns, and its final reply is scored by the reward functions.
+With ``tools`` (import strings of typed functions, and MCP servers as ``{"mcp": {"command":
+..., "args": [...]}}`` or ``{"mcp": {"url": ...}}``, :mod:`trajgrad.envs.mcp`) the task is a
+tool task (:class:`~trajgrad.envs.toolenv.ToolEnv`): the model may call the tools for up to
+``max_turns`` turns, and its final reply is scored by the reward functions. An MCP server is
+started and its tools listed when the source is built (at config load); each episode then
+gets its own server unless it is ``shared``.
 
 Sources (``path``): ``.jsonl`` / ``.json`` (JSON lines, or a JSON list), ``.parquet``,
 or a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a
@@ -59,7 +62,7 @@ class DatasetConfig:
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     system_prompt: Optional[str] = None
-    tools: Optional[List[str]] = None
+    tools: Optional[List[Union[str, Dict[str, Any]]]] = None
     max_turns: int = 1
     success_threshold: float = 1.0
 
@@ -222,12 +225,12 @@ class DatasetEnv:
         self.max_turns = source.config.max_turns
         self._row: Optional[dict] = None
         self._tools = None
-        if source.tools:
+        if source.tools or source.mcp:
             from .toolenv import ToolEnv
 
             self._tools = ToolEnv(source.tools, lambda text, task: self._score(text)[0], max_turns=self.max_turns,
                                   system_prompt=source.config.system_prompt or "",
-                                  success_threshold=source.config.success_threshold)
+                                  success_threshold=source.config.success_threshold, mcp=source.mcp)
 
     def _score(self, text: str):
         return score_completion(self.source.rewards, self._row, self.source.config.prompt_field, text)
@@ -243,6 +246,11 @@ class DatasetEnv:
 
     def potential(self) -> float:
         return 0.0
+
+    def close(self) -> None:
+        """End the episode's MCP servers, if any."""
+        if self._tools is not None:
+            self._tools.close()
 
     def step(self, action_text: str) -> StepResult:
         if self._row is None:
@@ -287,8 +295,16 @@ class DatasetSource:
             split["heldout"] = split["train"][-1:]
         self.rows = split
         self.rewards = load_rewards(c.reward)
-        self.tools = []
+        self.tools, self.mcp = [], []
         for k, spec in enumerate(c.tools or []):
+            if isinstance(spec, dict):
+                if set(spec) != {"mcp"}:
+                    raise ValueError(f"tools.{k}: expected an import string 'module:function' or {{mcp: {{command: "
+                                     f"..., args: [...]}}}} / {{mcp: {{url: ...}}}}, got keys {sorted(spec)}")
+                from .mcp import MCPTools
+
+                self.mcp.append(MCPTools(spec, key=f"tools.{k}"))
+                continue
             fn = resolve_import(spec, key=f"tools.{k}")
             from .schema import function_tool
 

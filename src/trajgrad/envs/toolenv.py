@@ -13,6 +13,12 @@ episode terminates with ``reward = score(answer, task)`` and ``info["success"] =
 The system prompt lists the tools' JSON schemas in the Hermes layout
 (``<tools>...</tools>``); :attr:`ToolEnv.tool_schemas` holds them for a chat template's
 ``tools=``.
+
+Tools of MCP servers (``mcp=[...]``, :mod:`trajgrad.envs.mcp`) join the same registry: each
+episode (``reset``) gets its own server connection unless the server is ``shared``; the
+episode's end (a final answer, the turn limit, or :meth:`ToolEnv.close`) stops it. Every
+step of such an environment records ``info["mcp_calls"]`` and ``info["mcp_errors"]``
+(``{reason: count}``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import json
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 from .base import Message, StepResult, Task
+from .mcp import MCPSession, MCPTools
 from .schema import function_tool
 from .toolcalls import parse_tool_calls, run_tool_calls, tool_messages
 from .tools import Tool, ToolRegistry
@@ -68,20 +75,34 @@ class ToolEnv:
       max_turns_terminates: running out of turns terminates (a failure) instead of truncating.
       tool_listing: ``"json"`` (schemas in the system prompt) or ``"brief"`` (one line each).
       name: the environment's name.
+      mcp: MCP servers whose tools join ``tools``: configs (``{"command": ..., "args": [...],
+        "env": {...}}`` or ``{"url": ...}``, see :mod:`trajgrad.envs.mcp`) or
+        :class:`~trajgrad.envs.mcp.MCPTools`; a server that cannot start raises ``ValueError``
+        naming ``mcp.<k>``.
     """
 
     def __init__(self, tools: Iterable[Any], score: Callable[[str, Task], float], *, max_turns: int = 4,
                  system_prompt: Optional[str] = "", success_threshold: float = 1.0,
                  confirm: Optional[Callable[[str, str], bool]] = None, max_turns_terminates: bool = False,
-                 tool_listing: str = "json", name: str = "tools") -> None:
+                 tool_listing: str = "json", name: str = "tools", mcp: Optional[Sequence[Any]] = None) -> None:
         built: List[Tool] = [t if isinstance(t, Tool) else function_tool(t) for t in tools]
-        if not built:
-            raise ValueError("tools: expected at least one tool")
+        if mcp is not None and (isinstance(mcp, (str, dict)) or not isinstance(mcp, (list, tuple))):
+            raise ValueError(f"mcp: expected a list of MCP server configs, got {type(mcp).__name__}")
+        if not built and not mcp:
+            raise ValueError("tools: expected at least one tool (or an MCP server in mcp)")
         if not callable(score):
             raise ValueError(f"score: expected a callable, got {type(score).__name__}")
         if not (isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns >= 1):
             raise ValueError(f"max_turns: expected an integer >= 1, got {max_turns!r}")
         self.registry = ToolRegistry(built)
+        self._mcp = [MCPSession(m if isinstance(m, MCPTools) else MCPTools(m, key=f"mcp.{k}"))
+                     for k, m in enumerate(mcp or [])]
+        for session in self._mcp:
+            for tool in session.tools():
+                if tool.name in self.registry:
+                    raise ValueError(f"{session.server.config.where}: the server's tool {tool.name!r} has the name "
+                                     "of another tool")
+                self.registry.register(tool)
         self.score = score
         self.max_turns = max_turns
         self.system_prompt = system_prompt
@@ -105,6 +126,8 @@ class ToolEnv:
     def reset(self, task: Task) -> List[Message]:
         self._task, self._turns = task, 0
         self.registry.clear_log()
+        for session in self._mcp:
+            session.begin()
         listing = tools_system_prompt(self.tool_schemas, self.system_prompt or "", listing=self.tool_listing)
         if self.system_prompt is None:
             return [{"role": "user", "content": f"{listing}\n\n{task.prompt}"}]
@@ -113,6 +136,24 @@ class ToolEnv:
     def potential(self) -> float:
         return 0.0
 
+    def close(self) -> None:
+        """End the episode's MCP servers (shared ones keep running); safe to call twice."""
+        for session in self._mcp:
+            session.end()
+
+    def _finish(self, result: StepResult) -> StepResult:
+        if self._mcp:
+            calls, errors = 0, {}
+            for session in self._mcp:
+                n, errs = session.take_counts()
+                calls += n
+                for reason, count in errs.items():
+                    errors[reason] = errors.get(reason, 0) + count
+            result.info.update(mcp_calls=calls, mcp_errors=errors)
+            if result.terminated or result.truncated:
+                self.close()
+        return result
+
     def step(self, action_text: str) -> StepResult:
         if self._task is None:
             raise ValueError("step: call reset(task) first")
@@ -120,11 +161,11 @@ class ToolEnv:
         calls = parse_tool_calls(action_text)
         if not calls:
             reward = float(self.score(action_text, self._task))
-            return StepResult([], reward, True, False, {"success": reward >= self.success_threshold})
+            return self._finish(StepResult([], reward, True, False, {"success": reward >= self.success_threshold}))
         results = run_tool_calls(self.registry, calls, allowed=self._allowed(), confirm=self.confirm)
         errors = [r.error for r in results if r.error is not None]
         info = {"tool": ",".join(c.name or "?" for c in calls), "tool_error": "; ".join(errors) if errors else None}
         if self._turns >= self.max_turns:
             info["success"] = False
-            return StepResult([], 0.0, self.max_turns_terminates, not self.max_turns_terminates, info)
-        return StepResult(tool_messages(results, calls), 0.0, False, False, info)
+            return self._finish(StepResult([], 0.0, self.max_turns_terminates, not self.max_turns_terminates, info))
+        return self._finish(StepResult(tool_messages(results, calls), 0.0, False, False, info))

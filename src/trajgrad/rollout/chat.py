@@ -316,7 +316,7 @@ def demonstration_trajectory(tokenizer, source, task, *, env=None):
     """A :class:`~trajgrad.rollout.trajectory.Trajectory` of a task's demonstration (SFT, DPO).
 
     The prompt is the environment's initial conversation (``env.reset(task)``, a fresh
-    ``source.make_env()`` unless ``env`` is given); ``source.demonstration(task)`` must be
+    ``source.make_env()``, closed afterwards, unless ``env`` is given); ``source.demonstration(task)`` must be
     a list of messages starting with an assistant message. Each assistant message becomes
     an action (its content tokens + the end-of-turn token); the messages up to the next
     assistant message become that turn's observation, exactly as the sampler would append
@@ -330,7 +330,12 @@ def demonstration_trajectory(tokenizer, source, task, *, env=None):
     """
     from .trajectory import NO_VERSION, Trajectory, Turn
 
-    env = source.make_env() if env is None else env
+    if env is None:  # an environment made here is closed here (e.g. its episode's MCP servers)
+        env = source.make_env()
+        try:
+            return demonstration_trajectory(tokenizer, source, task, env=env)
+        finally:
+            getattr(env, "close", lambda: None)()
     messages = list(env.reset(task))
     demo = _check_messages("demonstration", source.demonstration(task), allow_empty=False)
     if demo[0]["role"] != "assistant":

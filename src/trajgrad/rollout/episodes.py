@@ -15,7 +15,9 @@ end-of-turn token) goes to ``env.step``; the returned messages are appended as o
 tokens: what the model's chat template adds after the sampled tokens
 (:class:`~trajgrad.rollout.chat.ChatSession`), never re-tokenized together with the action.
 The environment (or the task source) may offer tool schemas for the template's ``tools=``
-(``tool_schemas``, :func:`~trajgrad.rollout.chat.tool_schemas_of`).
+(``tool_schemas``, :func:`~trajgrad.rollout.chat.tool_schemas_of`). An environment with a
+``close()`` method has it called once its episode ends (or the rollout fails): e.g. a
+:class:`~trajgrad.envs.toolenv.ToolEnv` stops its episode's MCP servers there.
 
 Template mismatch: when the template renders the conversation so far differently from the
 tokens held (:class:`~trajgrad.rollout.chat.TemplateMismatch`: it drops earlier reasoning,
@@ -106,6 +108,12 @@ def _potential(env) -> float:
     if fn is None:
         return 0.0
     return float(fn())
+
+
+def _close_env(env) -> None:
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 def _as_step_result(res) -> Tuple[List[Dict[str, str]], float, bool, bool, Dict[str, Any]]:
@@ -281,35 +289,51 @@ class EpisodeRunner:
         run = hashlib.sha256(f"seed:{int(seed)}".encode()).hexdigest()[:10] if seed is not None else uuid.uuid4().hex[:10]
 
         episodes: List[_Episode] = []
+        try:
+            return self._rollout(make_env, task_source_or_env_factory, tasks, group_size, episodes, generator,
+                                 seed, sampling, run, max_context, before_turn)
+        finally:  # an error ends every episode still open (their environments are closed)
+            for ep in episodes:
+                if not ep.done:
+                    ep.done = True
+                    _close_env(ep.env)
+
+    def _rollout(self, make_env, task_source_or_env_factory, tasks, group_size, episodes, generator, seed, sampling,
+                 run, max_context, before_turn) -> List[Trajectory]:
+        backend = self.backend
         encoded: Dict[Any, ChatSession] = {}  # a group's members share a prompt
         source = task_source_or_env_factory if hasattr(task_source_or_env_factory, "make_env") else None
         for task in tasks:
             for g in range(group_size):
                 env = make_env()
-                t0 = time.perf_counter()
-                messages = list(env.reset(task))
-                reset_s = time.perf_counter() - t0
-                tools = tool_schemas_of(env, source)
-                key = _messages_key(messages)
-                if key is not None:
-                    key = (key, None if tools is None else json.dumps(tools, sort_keys=True))
-                if key is None or key not in encoded:
-                    ids = prompt_ids(self.tokenizer, messages, tools)
-                    chat = ChatSession(self.tokenizer, messages, tools=tools, prompt=ids)
+                try:  # until the episode is listed, this loop closes its environment on an error
+                    t0 = time.perf_counter()
+                    messages = list(env.reset(task))
+                    reset_s = time.perf_counter() - t0
+                    tools = tool_schemas_of(env, source)
+                    key = _messages_key(messages)
                     if key is not None:
-                        encoded[key] = chat
-                else:
-                    chat = copy.copy(encoded[key])
-                ids = list(chat.prompt_ids)
-                self._check_fits(ids, task, max_context)
-                system = [m for m in messages[:1] if m.get("role") == "system"]
-                episodes.append(
-                    _Episode(
-                        task=task, group_index=g, env=env, episode_id=f"{task.id}#{g}-{run}", system=system,
-                        prompt=ids, tokens=list(ids), initial_potential=_potential(env), reset_seconds=reset_s,
-                        chat=chat, tools=tools,
+                        key = (key, None if tools is None else json.dumps(tools, sort_keys=True))
+                    if key is None or key not in encoded:
+                        ids = prompt_ids(self.tokenizer, messages, tools)
+                        chat = ChatSession(self.tokenizer, messages, tools=tools, prompt=ids)
+                        if key is not None:
+                            encoded[key] = chat
+                    else:
+                        chat = copy.copy(encoded[key])
+                    ids = list(chat.prompt_ids)
+                    self._check_fits(ids, task, max_context)
+                    system = [m for m in messages[:1] if m.get("role") == "system"]
+                    episodes.append(
+                        _Episode(
+                            task=task, group_index=g, env=env, episode_id=f"{task.id}#{g}-{run}", system=system,
+                            prompt=ids, tokens=list(ids), initial_potential=_potential(env), reset_seconds=reset_s,
+                            chat=chat, tools=tools,
+                        )
                     )
-                )
+                except BaseException:
+                    _close_env(env)
+                    raise
 
         bar = None
         if self.progress:
@@ -448,6 +472,7 @@ class EpisodeRunner:
 
     def _close(self, ep: _Episode, *, terminated: bool, truncated: bool, sampling, reason: str = "") -> None:
         ep.done = True
+        _close_env(ep.env)
         ep.kv = None
         if reason == "context" and ep.turns:
             # nothing was generated after the last observation: drop it, so that the

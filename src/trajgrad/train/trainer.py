@@ -36,6 +36,7 @@ import torch
 
 from .. import distributed as dist_lib
 from ..aggregate import masked_mean
+from ..envs.mcp import mcp_metrics
 from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
@@ -304,6 +305,7 @@ class Trainer:
         batch = collate(list(trajs), self.pad_id)
         mask = batch.action_mask
         metrics = batch_facts(batch)
+        metrics.update(mcp_metrics(trajs))  # tools/mcp_calls, tools/mcp_error_frac/<reason> (MCP tools only)
         turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
         metrics.update(info)
         if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
