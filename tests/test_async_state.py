@@ -24,7 +24,7 @@ from trajgrad.train.async_state import (
     load_async_state,
     plan_rerun,
 )
-from trajgrad.train.asynchronous import AsyncTrainer
+from trajgrad.train.asynchronous import AsyncTrainer, GroupedRayTrainer
 from trajgrad.train.config import build_config
 
 
@@ -69,14 +69,14 @@ def test_plan_rerun_needs_the_same_task_at_the_data_position():
 
 
 # ============================================================================ an AsyncTrainer's restore (no Ray)
-def _config(**async_over):
+def _config(recipe="sao", **async_over):
     return build_config({
         "name": "async-state-test",
         "model": {"name": "tiny", "dtype": "float32", "lora": None, "tiny": {"hidden_size": 32, "layers": 1, "heads": 2}},
         "task": {"name": "guess", "n_train": 16, "n_heldout": 2, "options": {"upper": 8, "max_turns": 2, "few_shot": False}},
         "sampling": {"temperature": 1.0, "max_new_tokens": 6},
-        "recipe": {"name": "sao"},
-        "train": {"steps": 4, "prompts_per_step": 1, "micro_batch_size": 4},
+        "recipe": {"name": recipe},
+        "train": {"steps": 4, "prompts_per_step": 1, "micro_batch_size": 4, **({"group_size": 2} if recipe == "grpo" else {})},
         "critic": {"warmup_steps": 0}, "sft": {"steps": 0},
         "eval": {"before": False, "after": False, "every": 0},
         "checkpoint": {"every": 1}, "log": {"tensorboard": False, "progress": False},
@@ -199,3 +199,18 @@ def test_checkpoint_without_async_state_counts_its_in_flight_as_lost(tmp_path):
     assert at2.gate.trained == 4 and at2.counters["rerun_on_resume"] == 0
     assert any("3 episode(s) in flight then are lost" in ln for ln in lines)
     assert math.isfinite(at2.counters["lost_episodes"])
+
+
+def test_grouped_resume_restores_counters_and_ledger(tmp_path):
+    """The grouped baseline checkpoints behind its barrier: counters and the trained groups."""
+    gt = GroupedRayTrainer(_config("grpo", enabled=False), tmp_path / "g", console=lambda *a: None)
+    gt.counters.update({"incomplete_groups": 1, "group_wait_W": 0.5, "rollouts": 6, "lost_episodes": 1})
+    gt._mark_trained(["g0", "g1"])
+    gt.trainer.snapshot_reference()  # as the preamble does before the first checkpoint
+    st = load_async_state(gt.save())
+    assert st.buffer == [] and st.in_flight == [] and st.trained.ranges() == [[0, 2]]
+    gt2 = GroupedRayTrainer(_config("grpo", enabled=False), tmp_path / "g", resume=True, console=lambda *a: None)
+    assert {k: gt2.counters[k] for k in ("incomplete_groups", "group_wait_W", "rollouts", "lost_episodes")} == \
+        {"incomplete_groups": 1, "group_wait_W": 0.5, "rollouts": 6, "lost_episodes": 1}
+    with pytest.raises(RuntimeError, match="trained twice"):
+        gt2._mark_trained(["g2", "g1"])
