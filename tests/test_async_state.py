@@ -42,6 +42,16 @@ def test_index_set_is_a_set_of_ranges(values):
     assert IndexSet(r).ranges() == r
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 6)), max_size=20))
+def test_index_set_from_ranges_in_any_order(pairs):
+    s = IndexSet([[a, a + n] for a, n in pairs])
+    want = {i for a, n in pairs for i in range(a, a + n)}
+    assert len(s) == len(want) and all((i in s) == (i in want) for i in range(60))
+    r = s.ranges()
+    assert all(r[k][1] < r[k + 1][0] for k in range(len(r) - 1))
+
+
 def test_index_set_bad_input():
     for bad in ([[3, 3]], [[-1, 2]], [[1]], [["a", 2]]):
         with pytest.raises(ValueError, match="ranges"):

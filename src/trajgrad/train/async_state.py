@@ -77,20 +77,23 @@ class IndexSet:
             self._add_range(r[0], r[1])
 
     def _add_range(self, a: int, b: int) -> None:
-        out: List[List[int]] = []
-        for lo, hi in self._r:
-            if hi < a or lo > b:
-                out.append([lo, hi])
-            else:
-                a, b = min(a, lo), max(b, hi)
-        out.append([a, b])
-        self._r = sorted(out)
+        r = self._r
+        if not r or a > r[-1][1]:  # past the end (the usual case: positions are drawn in order)
+            r.append([a, b])
+            return
+        lo = bisect.bisect_left(r, [a, -1])  # first range starting at or after a
+        if lo > 0 and r[lo - 1][1] >= a:  # the range before touches [a, b)
+            lo -= 1
+        hi = lo
+        while hi < len(r) and r[hi][0] <= b:  # every range touching [a, b) merges into one
+            a, b = min(a, r[hi][0]), max(b, r[hi][1])
+            hi += 1
+        r[lo:hi] = [[a, b]]
 
     def add(self, index: int) -> None:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"index: expected a non-negative int, got {index!r}")
-        if index not in self:
-            self._add_range(index, index + 1)
+        self._add_range(index, index + 1)
 
     def __contains__(self, index: int) -> bool:
         k = bisect.bisect_right(self._r, [index, float("inf")]) - 1
