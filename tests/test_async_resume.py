@@ -56,9 +56,10 @@ _CHILD = textwrap.dedent(
     if mode == "buffer":
         save, learn = AsyncTrainer.save, Trainer.learn
 
-        def save_after_a_finish(self):  # step k's checkpoint: an episode has finished on a worker
-            if self.trainer.step == k and self.pool.jobs:
+        def save_after_a_finish(self):  # step k's checkpoint: a full queue, one episode finished on a worker
+            if self.trainer.step == k:  # (the episodes queued behind it on its worker are still running)
                 import ray
+                self._fill()
                 ray.wait(list(self.pool.jobs), num_returns=1, timeout=60)
             return save(self)
 
@@ -98,7 +99,7 @@ def _data(address):
         "checkpoint": {"every": 1},
         "log": {"tensorboard": False, "progress": False},
         "asynchronous": {"enabled": True, "workers": 2, "max_lag": 1, "batch_trajectories": 2, "queue_size": 4,
-                         "ray_address": address, "env_latency": {"mu": math.log(0.05), "sigma": 0.0}},
+                         "ray_address": address, "env_latency": {"mu": math.log(0.15), "sigma": 0.0}},
     }
 
 
@@ -236,7 +237,7 @@ def test_nothing_lost_nothing_trained_twice_lag_bounded(killed_twice):
     rows = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     expected_rerun = len(rec["A"].in_flight) + len(rec["B"].in_flight)
-    assert rows[-1]["faults/rerun_on_resume"] == summary["rerun_on_resume"] == expected_rerun >= 2
+    assert rows[-1]["faults/rerun_on_resume"] == summary["rerun_on_resume"] == expected_rerun >= 1
     assert rows[-1]["faults/lost_on_resume"] == 0 and rows[-1]["lag/max"] <= 1
 
 
