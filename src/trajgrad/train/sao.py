@@ -67,14 +67,16 @@ class AsyncTrainer(RayLearner):
         g.load_counters({**st.gate, "admitted": int(st.gate.get("admitted", 0)) - len(st.buffer)})
         for key, raw in st.buffer:
             self._admit(key, raw, raw[0].metadata.get("worker"), restored=True)
+        dropped = 0
         for item in g.drop_stale(v):
             raw, _part = item.payload
-            self.counters["dropped_lag_on_resume"] += item.size
-            self._window["dropped_lag"] += item.size
+            dropped += item.size
             self._log_raw(raw, status="dropped_lag", lag=v - item.oldest_version, at_resume=True)
-        if self.counters["dropped_lag_on_resume"]:
-            self.console(f"resume: {int(self.counters['dropped_lag_on_resume'])} buffered trajectories dropped so far: "
-                         f"lag above max_lag={self.acfg.max_lag} against the restored version {v}")
+        self.counters["dropped_lag_on_resume"] += dropped
+        self._window["dropped_lag"] += dropped
+        if dropped:
+            self.console(f"resume: {dropped} buffered trajectories dropped: lag above max_lag={self.acfg.max_lag} "
+                         f"against the restored version {v}")
 
     def _check_recipe(self, cfg: Config) -> None:
         obj = cfg.objective()
@@ -231,6 +233,7 @@ class AsyncTrainer(RayLearner):
         try:
             bar = self._begin(stall_timeout, "async")
             t_run = self._t_start
+            self._window["t0"] = t_run  # the first window starts with training (a resume's drops stay in it)
             waited = 0.0
             while tr.step < cfg.train.steps:
                 if max_seconds is not None and time.perf_counter() - t_run >= max_seconds:
