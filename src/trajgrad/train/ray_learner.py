@@ -4,7 +4,7 @@
 :class:`~trajgrad.train.grouped.GroupedRayTrainer` share. It owns a
 :class:`~trajgrad.train.trainer.Trainer` (``self.trainer``) that performs every update
 (:meth:`Trainer.learn`) and goes through its public interface only: ``next_tasks``,
-``learn``, ``save``, ``finish``, and the shared frame of :mod:`trajgrad.train.loop`
+``task_at``, ``learn``, ``save``, ``resumed_from``, ``finish``, and the shared frame of :mod:`trajgrad.train.loop`
 (preamble, step cadence). Every checkpoint also holds the learner's asynchronous state
 (:mod:`trajgrad.train.async_state`: the finished, untrained episodes, the episodes in
 flight, the trained-episode ledger, the counters), written atomically with the weights; a
