@@ -31,6 +31,8 @@ from trajgrad.train.asynchronous import (
     load_trainable_state,
     trainable_state,
 )
+from trajgrad.train.async_state import load_async_state
+from trajgrad.train.checkpoint import latest_checkpoint
 from trajgrad.train.config import PRESETS, build_config, load_config
 from trajgrad.train.metrics import read_metrics
 
@@ -423,7 +425,7 @@ def async_run(ray_session, tmp_path_factory):
     t0 = time.perf_counter()
     summary = at.run()
     rec["seconds"] = time.perf_counter() - t0
-    state = json.loads((run_dir / "async_state.json").read_text())
+    state = load_async_state(latest_checkpoint(run_dir))
     return at, summary, rec, run_dir, state
 
 
@@ -499,20 +501,25 @@ def test_async_metrics_logged(async_run):
         assert r["lag/max"] <= 1 and r["lag/hist_over"] == 0
 
 
-def test_async_resume_continues_and_counts_lost_in_flight(async_run):
+def test_async_resume_trains_the_buffer_and_reruns_in_flight(async_run):
     at, _, _, run_dir, state = async_run
-    assert state["step"] == 3
+    assert state.step == 3 and len(state.trained) == at.gate.trained
+    in_flight = [f.key for f in state.in_flight]
+    assert len(in_flight) >= 1
     # one worker is enough for the last update (and boots faster)
     cfg = _config(4, asynchronous={"workers": 1})
     at2 = AsyncTrainer(cfg, run_dir, resume=True, console=lambda *a: None)
     assert at2.trainer.step == 3 and at2.trainer.policy_version == 3
-    assert at2.counters["lost_on_resume"] == state["in_flight"] >= 1
-    assert at2.counters["lost_episodes"] == state["counters"]["lost_episodes"] >= 1
+    assert at2.counters["rerun_on_resume"] == len(in_flight) and at2.counters["lost_on_resume"] == 0
+    assert [f.key for f, _task in at2._rerun] == in_flight
+    assert at2.counters["lost_episodes"] == state.counters["lost_episodes"] >= 1
     summary = at2.run()
     assert summary["steps"] == 4 and at2.trainer.policy_version == 4
     rows = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[-1]["faults/lost_on_resume"] == state["in_flight"]
+    assert rows[-1]["faults/rerun_on_resume"] == len(in_flight) and rows[-1]["faults/lost_on_resume"] == 0
+    trained = [(t.metadata["async"]["key"], t.segment) for t in read_trajectories(run_dir / "trajectories.jsonl") if t.metadata["async"]["status"] == "trained"]
+    assert len(trained) == len(set(trained))  # nothing trained twice across the resume
 
 
 def test_grouped_baseline_measures_group_wait(ray_session, tmp_path):

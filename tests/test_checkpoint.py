@@ -312,12 +312,18 @@ class _Crash(BaseException):
     pass
 
 
+def _files(step):
+    """A further file of the checkpoint (as the asynchronous learners' buffer), carrying its step."""
+    return {"async_state.json": json.dumps({"step": step, "buffer": list(range(1000))}).encode()}
+
+
 def _check_consistent(run_dir, allowed_steps):
-    """latest names a complete checkpoint whose weights carry its step number."""
+    """latest names a complete checkpoint whose weights and further file carry its step number."""
     m = _marked(-1.0)
     state = load_checkpoint(run_dir, model=m, restore_rng=False)
     assert state.step in allowed_steps
     assert state.extra == {"step": state.step}
+    assert (state.path / "async_state.json").read_bytes() == _files(state.step)["async_state.json"]
     assert torch.all(m.weight == float(state.step))
     for entry in (run_dir / "checkpoints").iterdir():
         if entry.name.startswith("step-"):
@@ -345,17 +351,17 @@ def test_crash_at_every_durable_operation_leaves_old_or_new(tmp_path, monkeypatc
     for at in range(1, 200):
         run_dir = tmp_path / f"at{at}"
         calls["at"] = None
-        save_checkpoint(run_dir, 1, model=_marked(1), extra={"step": 1}, keep=2)
-        save_checkpoint(run_dir, 2, model=_marked(2), extra={"step": 2}, keep=2)
+        save_checkpoint(run_dir, 1, model=_marked(1), extra={"step": 1}, keep=2, files=_files(1))
+        save_checkpoint(run_dir, 2, model=_marked(2), extra={"step": 2}, keep=2, files=_files(2))
         calls["n"], calls["at"] = 0, at
         try:
-            save_checkpoint(run_dir, new_step, model=_marked(new_step), extra={"step": new_step}, keep=2)
+            save_checkpoint(run_dir, new_step, model=_marked(new_step), extra={"step": new_step}, keep=2, files=_files(new_step))
         except _Crash:
             crashed_somewhere += 1
             _check_consistent(run_dir, {2, new_step})
             calls["at"] = None
             # The next save recovers (sweeps leftovers) and is itself consistent.
-            save_checkpoint(run_dir, 4, model=_marked(4), extra={"step": 4}, keep=2)
+            save_checkpoint(run_dir, 4, model=_marked(4), extra={"step": 4}, keep=2, files=_files(4))
             assert _check_consistent(run_dir, {4}) == 4
             leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
             assert len(leftovers) <= 1  # at most the directory the previous ``latest`` named
@@ -365,6 +371,19 @@ def test_crash_at_every_durable_operation_leaves_old_or_new(tmp_path, monkeypatc
     else:  # pragma: no cover
         pytest.fail("save_checkpoint never completed")
     assert crashed_somewhere >= 10  # the injection really hit every stage
+
+
+def test_further_files_are_checked_and_listed(tmp_path):
+    path = save_checkpoint(tmp_path, 1, model=_marked(1.0), files=_files(1))
+    assert "async_state.json" in json.loads((path / "manifest.json").read_text())["files"]
+    data = bytearray((path / "async_state.json").read_bytes())
+    data[10] ^= 1  # same size, other bytes: the checksum refuses it
+    (path / "async_state.json").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="async_state.json"):
+        load_checkpoint(tmp_path, model=_marked(0.0))
+    for bad in ({"extra.json": b"{}"}, {"../x": b""}, {".hidden": b""}, {"modules": b""}, {"a.json": "text"}, ["a"]):
+        with pytest.raises(ValueError, match="files"):
+            save_checkpoint(tmp_path, 2, model=_marked(2.0), files=bad)
 
 
 # The supervisor imports torch once, then forks a worker per round that checkpoints in a

@@ -45,9 +45,16 @@ The pipeline (:class:`AsyncTrainer`):
 * **Compaction** (§19): an environment emitting ``info["compact"]`` yields several
   sub-traces per episode; all of them are admitted together and trained with the
   token-level loss and per-token (per-sub-trace) critic values.
-* **Checkpoints** reuse :meth:`Trainer.save` and ``resume``; the asynchronous counters
-  go to ``async_state.json``. Episodes in flight when a run is killed are lost and
-  counted (``faults/lost_on_resume``) when it resumes.
+* **Checkpoints** reuse :meth:`Trainer.save` and ``resume``. Each checkpoint directory
+  also holds ``async_state.json`` (:mod:`trajgrad.train.async_state`), written atomically
+  with the weights: the finished but untrained episodes (the buffer; episodes already
+  finished on the workers are admitted first), the episodes in flight (data position, key,
+  seed, task id), the ledger of trained episodes and the counters. On resume the buffer is
+  trained (episodes whose lag against the restored version exceeds ``max_lag`` are dropped,
+  ``lag/dropped_on_resume``), the in-flight episodes run again from their tasks
+  (``faults/rerun_on_resume``), and an episode the ledger holds is never trained again.
+  ``faults/lost_on_resume`` counts the in-flight episodes that cannot run again (their data
+  position holds another task after a config change).
 
 :class:`GroupedRayTrainer` is the synchronous grouped baseline on the same actors: each
 step dispatches ``prompts_per_step x G`` rollouts, waits for all of them (the group
@@ -57,7 +64,8 @@ Modules: :mod:`trajgrad.train.lag` (admission and lag, no Ray),
 :mod:`trajgrad.train.weight_store` (what a weight sync sends, the store actor),
 :mod:`trajgrad.train.workers` (rollout actors and their pool), :mod:`trajgrad.train.ray_learner`
 (the learners' shared frame), :mod:`trajgrad.train.sao` (:class:`AsyncTrainer`),
-:mod:`trajgrad.train.grouped` (:class:`GroupedRayTrainer`); this module gathers their names.
+:mod:`trajgrad.train.grouped` (:class:`GroupedRayTrainer`), :mod:`trajgrad.train.async_state`
+(what a checkpoint keeps besides the weights); this module gathers their names.
 
 Ray: a local cluster by default (``ray.init(num_cpus=..., include_dashboard=False)``);
 ``asynchronous.ray_address`` (``trajgrad train --ray-address``) joins an existing one,
@@ -71,7 +79,8 @@ from typing import Any, Dict
 from .config import PRESETS
 from .grouped import GroupedRayTrainer
 from .lag import Admitted, LagGate, group_wait, lag_histogram
-from .ray_learner import ASYNC_STATE_FILE, RayLearner
+from .async_state import ASYNC_STATE_FILE
+from .ray_learner import RayLearner
 from .sao import AsyncTrainer
 from .weight_store import WeightStore, load_trainable_state, trainable_state
 from .workers import Job, RolloutPool, RolloutWorker

@@ -22,6 +22,7 @@ Layout on disk::
             optimizers/policy.pt
             rng.pt
             extra.json
+            <name>                    any further files given as ``files`` (e.g. async_state.json)
             manifest.json             written last; every file's size and SHA-256
 
 Atomicity. A checkpoint is written into a hidden temporary directory next to its final
@@ -225,6 +226,7 @@ def save_checkpoint(
     extra: Optional[Mapping[str, Any]] = None,
     trainable_only: bool = True,
     keep: Optional[int] = 2,
+    files: Optional[Mapping[str, bytes]] = None,
 ) -> Path:
     """Atomically write ``run_dir/checkpoints/step-{step:06d}/`` and point ``latest`` at it.
 
@@ -244,6 +246,9 @@ def save_checkpoint(
       trainable_only: see ``modules``.
       keep: number of newest checkpoints kept (>= 1; the new one always counts); None
         keeps all. Older ones are deleted after the new one is in place.
+      files: more files of the checkpoint, name -> bytes (a name matching
+        ``[A-Za-z0-9_.-]+``, none of the checkpoint's own): written, checksummed and listed
+        in the manifest like the others, so they are part of the checkpoint or absent with it.
 
     Returns:
       The checkpoint directory.
@@ -258,6 +263,7 @@ def save_checkpoint(
     modules = S._collect("modules", modules, "model", model, torch.nn.Module)
     optimizers = S._collect("optimizers", optimizers, "optimizer", optimizer, None)
     extra_bytes = S._dump_extra(extra)
+    more = S._check_files(files)
 
     root = F.checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -283,6 +289,8 @@ def save_checkpoint(
             opt_entries[oname] = {"file": rel, "type": type(opt).__name__}
         files["rng.pt"] = F.file_entry(tmp / "rng.pt", F._write_torch(tmp / "rng.pt", S._capture_rng()))
         files["extra.json"] = F.file_entry(tmp / "extra.json", F._write_bytes(tmp / "extra.json", extra_bytes))
+        for fname, data in more.items():
+            files[fname] = F.file_entry(tmp / fname, F._write_bytes(tmp / fname, data))
         manifest = {
             "format": F.FORMAT_VERSION,
             "step": step,

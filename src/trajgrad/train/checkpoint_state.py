@@ -40,6 +40,25 @@ def _collect(name: str, mapping, single_name: str, single, kind: type | None) ->
     return out
 
 
+_RESERVED_FILES = ("modules", "optimizers", "rng.pt", "extra.json", "manifest.json")
+
+
+def _check_files(files) -> Dict[str, bytes]:
+    """The ``files`` argument of ``save_checkpoint``: name -> bytes, names that are plain file
+    names and none of the checkpoint's own."""
+    if files is None:
+        return {}
+    if not isinstance(files, Mapping):
+        raise ValueError(f"files: expected a dict of name -> bytes, got {type(files).__name__}")
+    for key, data in files.items():
+        if not isinstance(key, str) or not _NAME.match(key) or key in _RESERVED_FILES or key.startswith("."):
+            raise ValueError(f"files: name {key!r} must match [A-Za-z0-9_.-]+, not start with '.', and not be one of "
+                             f"{list(_RESERVED_FILES)}")
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"files: {key!r} is a {type(data).__name__}, expected bytes")
+    return {k: bytes(v) for k, v in files.items()}
+
+
 def _json_default(obj):
     if isinstance(obj, torch.Tensor):
         obj = obj.detach().cpu()

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..rollout import Trajectory
+from .async_state import episode_key
 from .config import Config
 from .lag import group_wait
 from .ray_learner import RayLearner
@@ -25,7 +26,18 @@ class GroupedRayTrainer(RayLearner):
     rollout :math:`i` reached the learner (:func:`group_wait`), its mean per rollout, the
     throughput, and the learner's idle time. A group that lost a member to a dead worker
     is dropped whole (``faults/incomplete_groups``).
+
+    Checkpoints fall between steps, behind the group barrier: no episode is in flight and
+    none is finished but untrained, so the checkpoint's asynchronous state holds the
+    counters and the ledger of trained groups (a resumed run refuses to train a group it
+    holds). A step interrupted by a kill is sampled again from the restored data cursor: the
+    same prompts, keys and seeds.
     """
+
+    def __init__(self, cfg: Config, run_dir, *, resume: bool = False, console=print):
+        super().__init__(cfg, run_dir, resume=resume, console=console)
+        self.counters.update({"group_wait_W": 0.0, "rollouts": 0, "incomplete_groups": 0})
+        self._load_async_state()
 
     def _check_recipe(self, cfg: Config) -> None:
         obj = cfg.objective()
@@ -37,7 +49,7 @@ class GroupedRayTrainer(RayLearner):
         G = tr.objective.group_size
         P = cfg.train.prompts_per_step
         self._start()
-        totals = {"W": 0.0, "rollouts": 0, "incomplete_groups": 0}
+        totals = self.counters
         try:
             bar = self._begin(stall_timeout, "grouped")
             t_run = self._t_start
@@ -49,10 +61,10 @@ class GroupedRayTrainer(RayLearner):
                 for _ in range(P):
                     idx = tr.cursor
                     task = tr.next_tasks(1)[0]
-                    gkey = f"{self.nonce}-{idx}"
+                    gkey = episode_key(idx, "g")
                     groups[gkey] = {"times": [], "trajs": [], "lost": False}
                     for g in range(G):
-                        self.pool.submit(f"{gkey}#{g}", task, step_seed(cfg.train.seed, idx, salt=100 + g), group=gkey)
+                        self.pool.submit(episode_key(idx, "g", g), task, step_seed(cfg.train.seed, idx, salt=100 + g), group=gkey)
                 waited = 0.0
                 while self.pool.jobs:
                     got = self.pool.wait_one(timeout=1.0)
@@ -85,11 +97,12 @@ class GroupedRayTrainer(RayLearner):
                     W += group_wait(grp["times"])
                     n_roll += len(grp["times"])
                     trajs.extend(grp["trajs"])
+                self._mark_trained([k for k, grp in groups.items() if not grp["lost"]])
                 ntok = sum(t.num_action_tokens for t in trajs)
                 self.counters["episodes_finished"] += n_roll
                 self.counters["trajectories_finished"] += len(trajs)
                 self.counters["tokens_finished"] += ntok
-                totals["W"] += W
+                totals["group_wait_W"] += W
                 totals["rollouts"] += n_roll
                 if not trajs:
                     continue
@@ -117,8 +130,8 @@ class GroupedRayTrainer(RayLearner):
             self._stop()
         summary: Dict[str, Any] = {
             "steps": tr.step, "recipe": tr.objective.name, "mode": "grouped", "group_size": G,
-            "episodes_finished": self.counters["episodes_finished"], "group_wait_W_total": totals["W"],
-            "group_wait_W_per_rollout": totals["W"] / max(totals["rollouts"], 1),
+            "episodes_finished": self.counters["episodes_finished"], "group_wait_W_total": totals["group_wait_W"],
+            "group_wait_W_per_rollout": totals["group_wait_W"] / max(totals["rollouts"], 1),
             "incomplete_groups": totals["incomplete_groups"], "lost_episodes": self.counters["lost_episodes"],
             "seconds": self._t_loop,
             "trajectories_per_s": self.counters["trajectories_finished"] / max(self._t_loop, 1e-9),

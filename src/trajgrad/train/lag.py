@@ -161,6 +161,6 @@ class LagGate:
                 "duplicates": self.duplicates}
 
     def load_counters(self, state: Mapping[str, int]) -> None:
-        for k in ("trained", "trained_trajectories", "dropped_lag", "dropped_lag_trajectories", "duplicates"):
+        for k in ("admitted", "trained", "trained_trajectories", "dropped_lag", "dropped_lag_trajectories", "duplicates"):
             if k in state:
                 setattr(self, k, int(state[k]))

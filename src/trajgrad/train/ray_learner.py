@@ -4,22 +4,26 @@
 :class:`~trajgrad.train.grouped.GroupedRayTrainer` share. It owns a
 :class:`~trajgrad.train.trainer.Trainer` (``self.trainer``) that performs every update
 (:meth:`Trainer.learn`) and goes through its public interface only: ``next_tasks``,
-``learn``, ``save``, ``finish``, and the shared frame of :mod:`trajgrad.train.loop`
-(preamble, step cadence). The asynchronous counters go to ``async_state.json`` next to each
-checkpoint.
+``task_at``, ``learn``, ``save``, ``resumed_from``, ``finish``, and the shared frame of :mod:`trajgrad.train.loop`
+(preamble, step cadence). Every checkpoint also holds the learner's asynchronous state
+(:mod:`trajgrad.train.async_state`: the finished, untrained episodes, the episodes in
+flight, the trained-episode ledger, the counters), written atomically with the weights; a
+resumed run re-runs the in-flight episodes from their tasks and refuses to train an episode
+the ledger holds.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._optional import require
 from ..rollout import Trajectory
 from . import loop
+from .async_state import ASYNC_STATE_FILE, AsyncState, IndexSet, InFlight, dump_async_state, episode_index, \
+    episode_key, load_async_state, plan_rerun
 from .config import Config
 from .partial import PARTIAL_POLICIES
 from .seeding import step_seed
@@ -27,7 +31,7 @@ from .trainer import Trainer
 from .weight_store import WeightStore, trainable_state
 from .workers import RolloutPool
 
-ASYNC_STATE_FILE = "async_state.json"
+__all__ = ["RayLearner", "ASYNC_STATE_FILE"]
 
 
 class RayLearner:
@@ -48,12 +52,13 @@ class RayLearner:
         self._owns_ray = False
         self._published = -1
         self._weights_ref = None
-        self.nonce = uuid.uuid4().hex[:8]
         self.counters: Dict[str, float] = {
             "episodes_finished": 0, "trajectories_finished": 0, "tokens_finished": 0,
-            "lost_episodes": 0, "failed_episodes": 0, "lost_on_resume": 0,
+            "lost_episodes": 0, "failed_episodes": 0, "rerun_on_resume": 0, "lost_on_resume": 0,
         }
         self.lost_keys: List[str] = []
+        self.trained = IndexSet()  # data positions of the episodes (groups) trained so far
+        self._rerun: List[Tuple[InFlight, Any]] = []  # in flight at the checkpoint resumed from
         self._t_start = time.perf_counter()
         self._t_loop = 0.0
         self._saved_step = -1
@@ -138,8 +143,26 @@ class RayLearner:
         """The trainer's own finishing step (held-out evaluation, summary.json)."""
         return self.trainer.finish(summary)
 
-    def _async_state(self) -> Dict[str, Any]:
-        return {"step": self.trainer.step, "counters": dict(self.counters)}
+    def _async_state(self) -> AsyncState:
+        """What the checkpoint keeps besides the weights (subclasses add the buffer)."""
+        return AsyncState(step=self.trainer.step, counters=dict(self.counters), trained=self.trained,
+                          in_flight=self._in_flight())
+
+    def _in_flight(self) -> List[InFlight]:
+        """The episodes submitted and not finished (and those still to be re-run)."""
+        out = [f for f, _ in self._rerun]
+        for job in (self.pool.jobs.values() if self.pool is not None else ()):
+            out.append(InFlight(job.key, episode_index(job.key), job.seed, str(job.task.id)))
+        return out
+
+    def _mark_trained(self, keys: Sequence[str]) -> None:
+        """Record episodes (groups) as trained; an episode trained before is a broken invariant."""
+        idx = [episode_index(k) for k in keys]
+        again = [k for k, i in zip(keys, idx) if i in self.trained]
+        if again or len(set(idx)) != len(idx):
+            raise RuntimeError(f"episodes {again or list(keys)} would be trained twice")
+        for i in idx:
+            self.trained.add(i)
 
     def _final_save(self) -> None:
         """Checkpoint a run stopped early (``max_seconds``) unless its last step was saved."""
@@ -147,28 +170,53 @@ class RayLearner:
             self.save()
 
     def save(self) -> Path:
+        """A checkpoint of the trainer with :data:`ASYNC_STATE_FILE` inside it (one atomic write)."""
         self._saved_step = self.trainer.step
-        path = self.trainer.save()
-        tmp = self.run_dir / (ASYNC_STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(self._async_state(), default=float))
-        os.replace(tmp, self.run_dir / ASYNC_STATE_FILE)
-        return path
+        return self.trainer.save(files={ASYNC_STATE_FILE: dump_async_state(self._async_state())})
 
-    def _load_async_state(self) -> Optional[Dict[str, Any]]:
-        p = self.run_dir / ASYNC_STATE_FILE
-        if not self.resume or not p.exists():
+    def _load_async_state(self) -> Optional[AsyncState]:
+        """The asynchronous state of the checkpoint a resumed run loaded (None for a new run);
+        counters and ledger restored, the in-flight episodes queued to run again."""
+        path = self.trainer.resumed_from
+        if path is None:
             return None
-        st = json.loads(p.read_text())
-        if int(st.get("step", -1)) != self.trainer.step:
-            return None
-        for k, v in st.get("counters", {}).items():
-            self.counters[k] = v
+        if not (path / ASYNC_STATE_FILE).exists():
+            return self._load_legacy_state()
+        st = load_async_state(path)
+        if st.step != self.trainer.step:
+            raise ValueError(f"checkpoint: {path / ASYNC_STATE_FILE} is of step {st.step}, the checkpoint of {self.trainer.step}")
+        self.counters.update(st.counters)
+        self.trained = st.trained
+        self._rerun, lost = plan_rerun(st.in_flight, self.trainer.task_at)
+        self.counters["rerun_on_resume"] += len(self._rerun)
+        self.counters["lost_on_resume"] += len(lost)
+        self.console(f"resume: {len(st.buffer)} finished episode(s) kept for training, {len(self._rerun)} episode(s) "
+                     f"in flight run again from their tasks" + (f", {len(lost)} lost (their data positions now hold "
+                                                                 "other tasks)" if lost else ""))
         return st
+
+    def _load_legacy_state(self) -> Optional[AsyncState]:
+        """A checkpoint written before checkpoints held the asynchronous state: the counters
+        from ``run_dir/async_state.json`` when it is of the same step; its episodes in flight
+        were not recorded and count as ``lost_on_resume``."""
+        p = self.run_dir / ASYNC_STATE_FILE
+        try:
+            old = json.loads(p.read_text())
+        except (OSError, ValueError):
+            old = None
+        if not isinstance(old, dict) or int(old.get("step", -1)) != self.trainer.step:
+            self.console(f"resume: the checkpoint holds no {ASYNC_STATE_FILE}; the asynchronous counters start from 0")
+            return None
+        self.counters.update(old.get("counters", {}))
+        self.counters["lost_on_resume"] += int(old.get("in_flight", 0))
+        self.console(f"resume: the checkpoint holds no {ASYNC_STATE_FILE}; {int(old.get('in_flight', 0))} episode(s) "
+                     "in flight then are lost (their tasks were not recorded)")
+        return AsyncState(step=self.trainer.step, counters=dict(old.get("counters", {})), gate=dict(old.get("gate", {})))
 
     def _episode_key(self) -> Tuple[str, Any, int]:
         idx = self.trainer.cursor
         task = self.trainer.next_tasks(1)[0]
-        return f"{self.nonce}-{idx}", task, step_seed(self.cfg.train.seed, idx, salt=31)
+        return episode_key(idx), task, step_seed(self.cfg.train.seed, idx, salt=31)
 
     def _log_raw(self, raw: Sequence[Trajectory], **info) -> None:
         for t in raw:

@@ -6,6 +6,13 @@ The loop of :meth:`AsyncTrainer.run`: keep ``queue_size`` episodes in flight on 
 (:mod:`trajgrad.train.partial`) and admit it to the :class:`~trajgrad.train.lag.LagGate`;
 whenever the gate hands out ``batch_trajectories`` fresh trajectories, one update with
 :meth:`Trainer.learn`, then publish the new weights.
+
+Checkpoints (:meth:`AsyncTrainer.save`) first admit every episode that has finished on the
+workers, then write the gate's pending episodes (the buffer), the episodes still in flight
+and the trained-episode ledger with the weights (:mod:`trajgrad.train.async_state`). A
+resumed run admits the buffer again, drops (and counts, ``lag/dropped_on_resume``) the
+episodes whose lag against the restored policy version exceeds ``max_lag``, and submits the
+in-flight episodes again from their tasks (``faults/rerun_on_resume``).
 """
 from __future__ import annotations
 
@@ -32,9 +39,10 @@ class AsyncTrainer(RayLearner):
         ``batch_trajectories``, ``queue_size`` (episodes in flight), ``partial``,
         ``ray_address`` and ``env_latency``. The recipe must use one rollout per prompt
         (``sao``, ``ppo``, ``reinforce``, ``opd``).
-      run_dir: the run directory (same layout as :class:`Trainer`'s, plus
-        ``async_state.json``).
-      resume: continue from the latest checkpoint of ``run_dir``.
+      run_dir: the run directory (same layout as :class:`Trainer`'s; every checkpoint also
+        holds ``async_state.json``).
+      resume: continue from the latest checkpoint of ``run_dir``, its buffer and its episodes
+        in flight included.
       console: where to print.
 
     :meth:`run` trains ``train.steps`` updates (or until ``max_seconds``) and returns the
@@ -44,12 +52,31 @@ class AsyncTrainer(RayLearner):
     def __init__(self, cfg: Config, run_dir, *, resume: bool = False, console=print):
         super().__init__(cfg, run_dir, resume=resume, console=console)
         self.gate = LagGate(self.acfg.batch_trajectories, self.acfg.max_lag)
-        self.counters.update({"discarded_mixed": 0, "dropped_subtraces": 0, "folded_turns": 0})
+        self.counters.update({"discarded_mixed": 0, "dropped_subtraces": 0, "folded_turns": 0,
+                              "dropped_lag_on_resume": 0})
+        self._failures = 0
+        self._window = self._new_window()
         st = self._load_async_state()
         if st is not None:
-            self.gate.load_counters(st.get("gate", {}))
-            self.counters["lost_on_resume"] += int(st.get("in_flight", 0))
-        self._window = self._new_window()
+            self._restore_buffer(st)
+
+    def _restore_buffer(self, st) -> None:
+        """Admit the checkpoint's buffer again; drop (counted, logged with ``at_resume``) the
+        episodes whose lag against the restored version exceeds ``max_lag``."""
+        g, v = self.gate, self.trainer.policy_version
+        g.load_counters({**st.gate, "admitted": int(st.gate.get("admitted", 0)) - len(st.buffer)})
+        for key, raw in st.buffer:
+            self._admit(key, raw, raw[0].metadata.get("worker"), restored=True)
+        dropped = 0
+        for item in g.drop_stale(v):
+            raw, _part = item.payload
+            dropped += item.size
+            self._log_raw(raw, status="dropped_lag", lag=v - item.oldest_version, at_resume=True)
+        self.counters["dropped_lag_on_resume"] += dropped
+        self._window["dropped_lag"] += dropped
+        if dropped:
+            self.console(f"resume: {dropped} buffered trajectories dropped: lag above max_lag={self.acfg.max_lag} "
+                         f"against the restored version {v}")
 
     def _check_recipe(self, cfg: Config) -> None:
         obj = cfg.objective()
@@ -60,11 +87,20 @@ class AsyncTrainer(RayLearner):
                 f"recipe: {obj.name!r} uses groups of {obj.group_size}; single-rollout asynchronous training needs "
                 "group_size 1 (use the sao recipe, or GroupedRayTrainer for a grouped baseline)")
 
-    def _async_state(self) -> Dict[str, Any]:
+    def _async_state(self):
         st = super()._async_state()
-        st["gate"] = self.gate.state()
-        st["in_flight"] = (len(self.pool.jobs) if self.pool is not None else 0) + len(self.gate.pending)
+        st.gate = self.gate.state()
+        st.buffer = [(item.key, item.payload[0]) for item in self.gate.pending]
         return st
+
+    def save(self):
+        """Admit every episode that has finished on the workers, then checkpoint (buffer included)."""
+        while self.pool is not None and self.pool.jobs:
+            got = self.pool.wait_one(timeout=0)
+            if got is None:
+                break
+            self._handle(got)
+        return super().save()
 
     @staticmethod
     def _new_window() -> Dict[str, float]:
@@ -82,19 +118,26 @@ class AsyncTrainer(RayLearner):
         self.counters["episodes_finished"] += 1
         self.counters["trajectories_finished"] += len(raw)
         self.counters["tokens_finished"] += ntok
+        self._admit(job.key, raw, res.get("worker"))
+
+    def _admit(self, key: str, raw: List[Trajectory], worker, restored: bool = False) -> None:
+        """Apply the partial-rollout policy and queue the episode in the gate (a finished
+        episode, or one ``restored`` from a checkpoint's buffer, whose sub-trace counts the
+        restored counters hold already)."""
         part = apply_partial_policy(raw, self.acfg.partial)
         for t in raw:
-            t.metadata["async"] = {"key": job.key, "versions": part.versions, "worker": res.get("worker")}
+            t.metadata["async"] = {"key": key, "versions": part.versions, "worker": worker}
         if part.dropped is not None or not part.kept:
             self.counters["discarded_mixed"] += 1
-            w["discarded_mixed"] += 1
+            self._window["discarded_mixed"] += 1
             self._log_raw(raw, status="discarded_mixed")
             return
-        self.counters["dropped_subtraces"] += part.dropped_subtraces
-        self.counters["folded_turns"] += part.folded_turns
+        if not restored:
+            self.counters["dropped_subtraces"] += part.dropped_subtraces
+            self.counters["folded_turns"] += part.folded_turns
         for t in part.kept:
-            t.metadata["async_key"] = f"{job.key}/{t.segment}"
-        self.gate.admit(job.key, oldest_version(part.kept), size=len(part.kept), payload=(raw, part))
+            t.metadata["async_key"] = f"{key}/{t.segment}"
+        self.gate.admit(key, oldest_version(part.kept), size=len(part.kept), payload=(raw, part))
 
     def _drain_dropped(self) -> None:
         for item in self.gate.last_dropped:
@@ -119,6 +162,7 @@ class AsyncTrainer(RayLearner):
             mixed += len(part.kept) if part.mixed else 0
             ep_rewards.append(float(raw[0].metadata.get("episode_reward", sum(t.total_reward for t in raw))))
             self._log_raw(raw, status="trained", lag=lag, learner_version=v)
+        self._mark_trained([item.key for item in batch])
         m = self._learn(trajs)
         w, now = self._window, time.perf_counter()
         dt = max(now - w["t0"], 1e-9)
@@ -131,6 +175,7 @@ class AsyncTrainer(RayLearner):
             "lag/dropped_frac": w["dropped_lag"] / max(w["dropped_lag"] + len(trajs), 1),
             "lag/dropped_total": float(g.dropped_lag_trajectories),
             "lag/dropped_frac_total": g.dropped_lag_trajectories / max(g.dropped_lag_trajectories + g.trained_trajectories, 1),
+            "lag/dropped_on_resume": float(self.counters["dropped_lag_on_resume"]),
             "partial/mixed_frac": mixed / len(trajs),
             "partial/discarded_mixed": float(w["discarded_mixed"]),
             "partial/discarded_mixed_total": float(self.counters["discarded_mixed"]),
@@ -148,6 +193,7 @@ class AsyncTrainer(RayLearner):
             "faults/lost_episodes": float(self.counters["lost_episodes"]),
             "faults/failed_episodes": float(self.counters["failed_episodes"]),
             "faults/replaced_workers": float(self.pool.replaced),
+            "faults/rerun_on_resume": float(self.counters["rerun_on_resume"]),
             "faults/lost_on_resume": float(self.counters["lost_on_resume"]),
         })
         if "trust/rejected_low" in m and "trust/rejected_high" in m:
@@ -157,7 +203,24 @@ class AsyncTrainer(RayLearner):
         return m
 
     # ------------------------------------------------------------------ the run
+    def _handle(self, got) -> None:
+        """One finished job: count a lost or failed episode, admit a finished one."""
+        job, res, kind = got
+        if kind == "lost":
+            self.counters["lost_episodes"] += 1
+            self.lost_keys.append(job.key)
+        elif kind == "failed":
+            self.counters["failed_episodes"] += 1
+            self._failures += 1
+            self._check_failures(self._failures, res.get("error"))
+        else:
+            self._failures = 0
+            self._on_result(job, res)
+
     def _fill(self) -> None:
+        while self._rerun:  # in flight at the checkpoint resumed from: first, from their tasks
+            f, task = self._rerun.pop(0)
+            self.pool.submit(f.key, task, f.seed)
         while len(self.pool.jobs) < self.acfg.queue_size:
             key, task, seed = self._episode_key()
             self.pool.submit(key, task, seed)
@@ -170,8 +233,7 @@ class AsyncTrainer(RayLearner):
         try:
             bar = self._begin(stall_timeout, "async")
             t_run = self._t_start
-            self._window = self._new_window()
-            failures = 0
+            self._window["t0"] = t_run  # the first window starts with training (a resume's drops stay in it)
             waited = 0.0
             while tr.step < cfg.train.steps:
                 if max_seconds is not None and time.perf_counter() - t_run >= max_seconds:
@@ -187,18 +249,7 @@ class AsyncTrainer(RayLearner):
                         raise RuntimeError(f"rollout workers: no episode finished in {stall_timeout:.0f} s")
                     continue
                 waited = 0.0
-                job, res, kind = got
-                if kind == "lost":
-                    self.counters["lost_episodes"] += 1
-                    self.lost_keys.append(job.key)
-                    continue
-                if kind == "failed":
-                    self.counters["failed_episodes"] += 1
-                    failures += 1
-                    self._check_failures(failures, res.get("error"))
-                    continue
-                failures = 0
-                self._on_result(job, res)
+                self._handle(got)
                 while tr.step < cfg.train.steps:
                     batch = self.gate.next_batch(tr.policy_version)
                     self._drain_dropped()
@@ -218,6 +269,8 @@ class AsyncTrainer(RayLearner):
             "trajectories_trained": self.gate.trained_trajectories, "dropped_lag": self.gate.dropped_lag_trajectories,
             "discarded_mixed": self.counters["discarded_mixed"], "lost_episodes": self.counters["lost_episodes"],
             "failed_episodes": self.counters["failed_episodes"], "replaced_workers": self.pool.replaced if self.pool else 0,
+            "rerun_on_resume": self.counters["rerun_on_resume"], "lost_on_resume": self.counters["lost_on_resume"],
+            "dropped_lag_on_resume": self.counters["dropped_lag_on_resume"],
             "unused_in_flight_at_end": left, "unused_pending_at_end": pending,
             "seconds": self._t_loop,
             "trajectories_per_s": self.counters["trajectories_finished"] / max(self._t_loop, 1e-9),

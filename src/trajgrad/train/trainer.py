@@ -95,6 +95,7 @@ class Trainer:
         self.step = 0
         self.cursor = 0
         self.policy_version = 0
+        self.resumed_from: Optional[Path] = None  # the checkpoint directory a resumed run loaded
         self.dpo_pairs: Optional[List[Tuple[Trajectory, Trajectory]]] = None
         self.eval_before: Optional[EvalResult] = None
         # the SFT warm start in progress: its optimizer and {"step", "steps", "rng"} while it runs
@@ -136,8 +137,10 @@ class Trainer:
             opts["sft"] = self._sft_opt
         return opts
 
-    def save(self) -> Optional[Path]:
-        """Checkpoint (rank 0 writes; every rank's trajectory-log offset is recorded)."""
+    def save(self, files: Optional[Dict[str, bytes]] = None) -> Optional[Path]:
+        """Checkpoint (rank 0 writes; every rank's trajectory-log offset is recorded).
+        ``files``: more files that belong to this checkpoint (name -> bytes), written
+        atomically with it (the asynchronous learners' buffer, :mod:`trajgrad.train.async_state`)."""
         offsets = dist_lib.gather_objects(self.traj_log.offset)
         extra = {
             "step": self.step, "cursor": self.cursor, "policy_version": self.policy_version,
@@ -153,7 +156,7 @@ class Trainer:
         optimizers = {k: fsdp.full_optimizer_state(o) for k, o in self._optimizers().items()}
         if self.is_main:
             path = save_checkpoint(self.run_dir, self.step, modules=modules, optimizers=optimizers,
-                                   extra=extra, keep=self.cfg.checkpoint.keep)
+                                   extra=extra, keep=self.cfg.checkpoint.keep, files=files)
         dist_lib.barrier()
         return path
 
@@ -181,6 +184,7 @@ class Trainer:
         if ex.get("eval_before"):
             self.eval_before = EvalResult(**ex["eval_before"])
         self.sft_resume = ex.get("sft")
+        self.resumed_from = state.path
         where = f"SFT step {self.sft_resume['step']}" if self.sft_resume else f"step {self.step}"
         self.console(f"resumed from {state.path} at {where}")
         return int(ex["metrics_offset"])
@@ -189,13 +193,17 @@ class Trainer:
     def next_tasks(self, n: int) -> list:
         """The next ``n`` training tasks: one fixed permutation per epoch, advancing the cursor."""
         out = []
-        N = len(self.train_tasks)
         for _ in range(n):
-            epoch, pos = divmod(self.cursor, N)
-            perm = torch.randperm(N, generator=torch.Generator().manual_seed(self.cfg.task.seed * 31 + epoch)).tolist()
-            out.append(self.train_tasks[perm[pos]])
+            out.append(self.task_at(self.cursor))
             self.cursor += 1
         return out
+
+    def task_at(self, index: int):
+        """The training task at data position ``index`` (what :meth:`next_tasks` returns there)."""
+        N = len(self.train_tasks)
+        epoch, pos = divmod(int(index), N)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(self.cfg.task.seed * 31 + epoch)).tolist()
+        return self.train_tasks[perm[pos]]
 
     def evaluate(self, tag: str) -> EvalResult:
         """Held-out success (rank 0 evaluates; the other ranks wait and receive the result)."""
