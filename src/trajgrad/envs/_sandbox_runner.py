@@ -210,8 +210,12 @@ def _install_guards(send, work_dir):
                 return True
         return False
 
+    def report(message):
+        # At most 300 characters (3.6 KB as JSON): one frame is one atomic pipe write.
+        send({"kind": "violation", "message": message[:300]})
+
     def refuse(message):
-        send({"kind": "violation", "message": message})
+        report(message)
         raise PermissionError_(f"sandbox: {message}")
 
     def is_text(obj):
@@ -257,7 +261,7 @@ def _install_guards(send, work_dir):
         @staticmethod
         def find_spec(name, path=None, target=None):
             if name.partition(".")[0] in load_blocked:
-                send({"kind": "violation", "message": f"import of {name!r} is not allowed"})
+                report(f"import of {name!r} is not allowed")
                 raise ImportError_(f"sandbox: import of {name!r} is not allowed", name=name)
             return None
 
@@ -265,7 +269,7 @@ def _install_guards(send, work_dir):
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
         if level == 0 and type_(name) is str_ and name.partition(".")[0] in user_blocked:
-            send({"kind": "violation", "message": f"import of {name!r} is not allowed"})
+            report(f"import of {name!r} is not allowed")
             raise ImportError_(f"sandbox: import of {name!r} is not allowed", name=name)
         return real_import(name, globals, locals, fromlist, level)
 
