@@ -316,3 +316,43 @@ def test_no_prefix_turns_a_violation_frame_into_something_else(prefix, message):
     frame = (json.dumps({"kind": "violation", "message": message}) + "\n").encode()
     got = read_channel(READY + prefix + frame + RESULT)
     assert message in got.violations or got.tampered is not None
+
+
+# --- the in-process guards are advisory ---------------------------------------------------
+
+# The real __import__ from a frame's builtins (the runner's own frame, reached through
+# f_back), the meta-path guard dropped: the blocked modules load without a violation;
+# gc finds the audit hook and empties the table of refused events in its closure: resource.setrlimit is no longer reported.
+UNGUARDED = r"""
+import sys
+f = sys._getframe()
+while f is not None and f.f_builtins.get('__import__') is __import__:
+    f = f.f_back
+real_import = f.f_builtins['__import__']
+sys.meta_path[:] = [m for m in sys.meta_path if 'Block' not in getattr(m, '__name__', '')]
+mods = [real_import(n) for n in ('signal', 'resource', 'gc', '_posixsubprocess')]
+resource, gc = mods[1], mods[2]
+for fn in gc.get_objects():
+    if type(fn).__name__ == 'function' and fn.__name__ == 'hook' and fn.__closure__:
+        for cell in fn.__closure__:
+            if type(cell.cell_contents) is dict and 'resource.setrlimit' in cell.cell_contents:
+                cell.cell_contents.clear()
+outcome = []
+for which in (resource.RLIMIT_NPROC, resource.RLIMIT_AS, resource.RLIMIT_FSIZE):
+    try:
+        resource.setrlimit(which, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        outcome.append('raised')
+    except (ValueError, OSError):
+        outcome.append('refused')
+[m.__name__ for m in mods], outcome
+"""
+
+
+@pytest.mark.parametrize("drop", [True, False], ids=["drop", "no-drop"])
+def test_the_guards_can_be_bypassed_and_the_os_layer_still_holds(sandboxes, drop):
+    sb = sandboxes[(drop, True)]
+    result = sb.run(UNGUARDED)
+    names, outcome = eval(result.output)  # noqa: S307 - our own sandbox's repr of two lists
+    assert names == ["signal", "resource", "gc", "_posixsubprocess"]
+    assert sb.last_run["violations"] == [] and result.error is None  # the guards saw nothing
+    assert outcome == ["refused"] * 3  # the kernel keeps the hard limits

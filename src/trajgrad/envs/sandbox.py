@@ -13,8 +13,11 @@ each: ``docs/sandbox.md``):
    holding only the Python installation and its shared libraries, read-only; a private
    work directory that is a tmpfs of ``max_disk_bytes`` bytes in total; an empty
    environment; no ``/proc``, no host files, no other processes, no network.
-2. **A seccomp filter** (:mod:`.seccomp`, x86-64 and AArch64): no ``fork``, no
-   namespace, mount, ``ptrace`` or kernel-administration calls.
+2. **A seccomp filter** (:mod:`.seccomp`, x86-64 and AArch64), default-deny over the
+   kernel's whole system-call table: no ``fork``, no socket family but ``AF_UNIX``,
+   ``AF_INET`` and ``AF_INET6``; calls that reach other processes, namespaces, mounts
+   or kernel extension points (``ptrace``, ``pidfd_getfd``, ``bpf``, ``mount``, ...)
+   kill the process, which the parent sees.
 3. **Resource limits** set before any user code (hard = soft, so they cannot be
    raised): ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``),
    ``RLIMIT_NPROC = 0``, ``RLIMIT_FSIZE`` (``max_file_bytes`` per file),
@@ -23,12 +26,15 @@ each: ``docs/sandbox.md``):
 4. **In-process guards** (an audit hook and import guards in the child), which turn
    most attempts into one clear message for the agent (``"sandbox: network access is
    not allowed (socket.connect)"``). They are not a boundary: layers 1-3 hold when
-   code gets around them.
+   code gets around them, and the violations they report are advisory.
 
 **What the parent trusts.** Nothing the child says about itself beyond what its code
 could have printed. The child's standard output and error are read as plain data; its
 result frames (the last value, the exception, violations reported against itself, on a
-separate pipe) are parsed as untrusted text. Limits and kills are decided by the parent
+separate pipe) are parsed strictly (:mod:`._sandbox_channel`): anything but the
+runner's protocol is tampering, a violation the parent establishes itself, as is a
+process the seccomp filter killed (``SIGSYS``). The request reaches the child through a
+pipe: no process of the sandbox holds a descriptor of a host file. Limits and kills are decided by the parent
 from its own clock, its byte counts and the exit status; the isolation facts in
 :attr:`SandboxedPython.last_run` are the parent's record of the command line it ran
 (:class:`~trajgrad.envs.bubblewrap.Isolation`).
