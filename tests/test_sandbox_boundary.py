@@ -11,16 +11,21 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 import struct
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajgrad.envs._sandbox_channel import read_channel
+from trajgrad.envs import sandbox as sandbox_module
 from trajgrad.envs._syscall_tables import GENERIC, X86_64
 from trajgrad.envs.sandbox import SandboxedPython
 from trajgrad.envs.seccomp import IOCTL_REQUESTS, KILLED, SOCKET_FAMILIES, build_filter, classify
@@ -276,6 +281,16 @@ def test_a_killed_system_call_is_the_parents_verdict(sandboxes):
     assert sb.last_run["parent_verdict"] == [result.error[len("sandbox: "):]]
 
 
+def test_an_unfinished_frame_is_tampering_unless_the_process_was_killed():
+    sb = SandboxedPython(timeout_s=3.0, drop_privileges=False)
+    partial = "import sys\nos = sys.modules['os']\nos.write(int(sys.argv[1]), b'{\"kind\": \"res')\n"
+    result = sb.run(partial + "os._exit(0)")
+    assert result.error == "sandbox: the result channel was tampered with (an unfinished frame at the end)"
+    result = sb.run(partial + "import time\ntime.sleep(30)")  # cut by the parent's wall-time kill
+    assert result.error == "wall-time limit exceeded (3 s); the process was killed"
+    assert sb.last_run["parent_verdict"] == []
+
+
 def test_honest_runs_read_cleanly(sandboxes):
     for sb in sandboxes.values():
         assert sb.run("print('a')\n6 * 7").output == "a\n42"
@@ -356,3 +371,58 @@ def test_the_guards_can_be_bypassed_and_the_os_layer_still_holds(sandboxes, drop
     assert names == ["signal", "resource", "gc", "_posixsubprocess"]
     assert sb.last_run["violations"] == [] and result.error is None  # the guards saw nothing
     assert outcome == ["refused"] * 3  # the kernel keeps the hard limits
+
+
+# --- the same, for an ordinary user -------------------------------------------------------
+
+_AS_USER = r"""
+import importlib, json, sys, types
+src, attacks = sys.argv[1], json.load(open(sys.argv[2]))
+for name in ("trajgrad", "trajgrad.envs"):
+    m = types.ModuleType(name)
+    m.__path__ = [src + "/" + name.replace(".", "/")]
+    sys.modules[name] = m
+sb = importlib.import_module("trajgrad.envs.sandbox").SandboxedPython(timeout_s=10.0)
+for guards in (True, False):
+    sb._in_process_guards = guards
+    for name, code in attacks.items():
+        r = sb.run(code)
+        print(json.dumps({"name": name, "guards": guards, "output": r.output, "error": r.error,
+                          "verdict": sb.last_run["parent_verdict"], "mode": sb.last_run["mode"]}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to become an ordinary user")
+def test_the_boundary_holds_for_an_ordinary_user(tmp_path):
+    """pidfd_getfd, AF_VSOCK and the swallowed violation, with the parent an ordinary user
+    (``nobody``, with the system's Python, which it can read)."""
+    python = "/usr/bin/python3"
+    src = str(Path(sandbox_module.__file__).resolve().parents[2])
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system Python")
+    if subprocess.run(as_nobody + ["test", "-r", sandbox_module.__file__], cwd="/").returncode != 0:
+        pytest.skip("the source tree is not readable by nobody")
+    work = tempfile.mkdtemp(prefix="trajgrad-as-user-")
+    try:
+        os.chmod(work, 0o755)
+        script, attacks = os.path.join(work, "as_user.py"), os.path.join(work, "attacks.json")
+        Path(script).write_text(_AS_USER)
+        Path(attacks).write_text(json.dumps({"pidfd": PIDFD_GETFD, "vsock": VSOCK, "swallow": SWALLOW}))
+        for path in (script, attacks):
+            os.chmod(path, 0o644)
+        proc = subprocess.run(as_nobody + [python, "-I", script, src, attacks], capture_output=True, text=True,
+                              timeout=120, cwd="/")
+    finally:
+        shutil.rmtree(work)
+    if "No permissions to create new namespace" in proc.stdout + proc.stderr:
+        pytest.skip("unprivileged user namespaces are disabled on this kernel")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["name"], r["guards"]): r for r in map(json.loads, proc.stdout.splitlines())}
+    assert len(rows) == 6 and {r["mode"] for r in rows.values()} == {"user-in-userns"}
+    for row in rows.values():
+        assert "ESCAPED" not in row["output"] and row["error"], row
+    assert "SIGSYS" in rows[("pidfd", False)]["error"] or "not permitted" in rows[("pidfd", False)]["error"]
+    assert "[Errno 97]" in rows[("vsock", False)]["error"]
+    for guards in (True, False):
+        assert rows[("swallow", guards)]["verdict"] == ["the result channel was tampered with (a malformed frame)"]

@@ -18,9 +18,10 @@ import json
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-__all__ = ["Channel", "read_channel"]
+__all__ = ["Channel", "read_channel", "UNFINISHED"]
 
 _MAX_FRAME_BYTES = 1 << 20
+UNFINISHED = "an unfinished frame at the end"
 _KEYS = {"ready": {"kind"}, "violation": {"kind", "message"}, "result": {"kind", "value", "error"}}
 
 
@@ -56,7 +57,7 @@ def read_channel(data: bytes) -> Channel:
     out = Channel()
     lines = data.split(b"\n")
     if lines[-1]:
-        out.tampered = "an unfinished frame at the end"
+        out.tampered = UNFINISHED
     for index, line in enumerate(lines[:-1]):
         frame = _frame(line)
         problem = None

@@ -65,7 +65,7 @@ from typing import Optional
 
 from . import bubblewrap
 from .arithmetic import count_operations, format_number, safe_eval_arithmetic
-from ._sandbox_channel import read_channel
+from ._sandbox_channel import UNFINISHED, read_channel
 from .seccomp import build_filter
 from .tool_result import ToolResult
 
@@ -361,10 +361,13 @@ class SandboxedPython:
         # Established by the parent itself: a tampered channel, a system call the filter
         # killed. Reported by the runner's guards (advisory; docs/sandbox.md): violations.
         caught = []
-        if channel.tampered is not None:
-            caught.append(f"the result channel was tampered with ({channel.tampered})")
         code = os.waitstatus_to_exitcode(status)
         signum = code - 128 if code > 128 else (-code if code < 0 else 0)
+        # A kill (the parent's, or a limit's signal) may cut the frame being written: an
+        # unfinished last frame is tampering only when the process ended by itself (a
+        # violation frame ends its line, so none can hide in an unfinished last one).
+        if channel.tampered is not None and not (channel.tampered == UNFINISHED and (reason or signum)):
+            caught.append(f"the result channel was tampered with ({channel.tampered})")
         if ready and reason is None and signum == signal.SIGSYS:
             caught.append("a forbidden system call was made; the process was killed (SIGSYS)")
         violations = caught + [v[:1000] for v in channel.violations]
