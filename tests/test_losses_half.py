@@ -8,6 +8,7 @@ import torch
 
 from trajgrad.losses.cispo import cispo_loss
 from trajgrad.losses.gspo import gspo_loss, gspo_token_loss
+from trajgrad.losses.kl import kl_estimate
 from trajgrad.losses.ppo import ppo_clip_loss
 from trajgrad.losses.sapo import sapo_loss
 from trajgrad.ratios import gspo_sequence_ratio, gspo_token_ratio
@@ -62,3 +63,13 @@ def test_half_ratios_are_float32_and_finite():
     assert torch.allclose(s, torch.exp(torch.tensor(12.0)), rtol=1e-3)
     t = gspo_token_ratio(lp16, old16, mask)
     assert t.dtype == torch.float32 and torch.isfinite(t).all()
+
+
+@pytest.mark.parametrize("kind", ["k3", "k3+"])
+def test_half_kl_estimate_with_the_ratio_is_finite_and_float32(kind):
+    lp16, old16, _, mask = _inputs(torch.float16)
+    ref = (lp16.detach().float() + 12.0).to(torch.float16)  # z = -12: e^{-z} overflows float16
+    est = kl_estimate(lp16, ref, mask, kind=kind, old_logp=old16)
+    ref32 = kl_estimate(lp16.detach().float(), ref.float(), mask, kind=kind, old_logp=old16.float())
+    assert est.dtype == torch.float32 and torch.isfinite(est).all()
+    assert torch.equal(est.detach(), ref32)

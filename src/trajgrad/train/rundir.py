@@ -1,5 +1,9 @@
 """Run directories that cannot be damaged by accident.
 
+One writer at a time: the process that writes a run directory (rank 0 under torchrun)
+holds its ``flock`` (:mod:`.runlock`, taken before the directory is read); a second
+writer is refused with one line naming the holder.
+
 A run directory holds ``run.json`` (the config the run's checkpoints were made with, its
 SHA-256 fingerprint and the history of allowed changes), ``config.json`` (the same config,
 for reading), ``checkpoints/``, ``metrics.jsonl`` and ``trajectories.jsonl``.
