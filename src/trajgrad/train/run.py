@@ -85,8 +85,7 @@ def main(
 
 def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint, explain):
     """:func:`main`'s body; the run directory's locks are appended to ``locks``."""
-    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir
-    from .runlock import lock_run_dir
+    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
 
     plan = None
     if resume is not None:
@@ -95,7 +94,7 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
         if run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
             raise ValueError("run_dir: --resume continues the run in its own directory; drop --run-dir")
         if _rank() == 0:  # under torchrun rank 0 owns (and locks) the run directory
-            locks.append(lock_run_dir(resume))  # before reading it: one writer at a time
+            locks.append(lock_existing_run_dir(resume))  # before reading it: one writer at a time
         plan = check_resume(resume, config=config, preset=preset, overrides=overrides,
                             allow_config_change=allow_config_change, checkpoint=checkpoint)
         cfg: Config = plan.cfg
@@ -108,7 +107,7 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
         cfg = load_config(config, preset=preset, overrides=overrides)
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if _rank() == 0:  # under torchrun rank 0 owns (and locks) the run directory
-            locks.append(lock_run_dir(out_dir))  # a run still writing there is refused, even with --overwrite
+            locks.append(lock_existing_run_dir(out_dir))  # a run still writing there is refused, even with --overwrite
             check_new_run_dir(out_dir, overwrite=overwrite)
     objective_text = explain(cfg.objective())
     from .trainer import Trainer

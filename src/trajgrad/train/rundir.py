@@ -41,6 +41,7 @@ from .runlock import LOCK_FILE, RunDirLock, lock_run_dir
 __all__ = [
     "RUN_FILE", "ResumePlan", "config_fingerprint", "config_diff", "check_new_run_dir",
     "create_run_dir", "check_resume", "check_resume_state", "commit_resume", "record_determinism",
+    "lock_existing_run_dir",
 ]
 
 RUN_FILE = "run.json"
@@ -75,6 +76,20 @@ def config_diff(old: Any, new: Any, prefix: str = "") -> List[str]:
 
 def _is_run_dir(path: Path) -> bool:
     return any((path / m).exists() for m in _RUN_MARKERS)
+
+
+def lock_existing_run_dir(path) -> Optional[RunDirLock]:
+    """Lock ``path`` (:func:`.runlock.lock_run_dir`) when it is a run directory already (or
+    holds a lock file); None otherwise, creating nothing: a directory that is not a run is
+    refused by the checks, or becomes one (and is locked) in :func:`create_run_dir`.
+
+    Raises:
+      RunDirLocked: another live process writes the run (the message names it).
+    """
+    path = Path(path)
+    if path.is_dir() and (_is_run_dir(path) or (path / LOCK_FILE).exists()):
+        return lock_run_dir(path)
+    return None
 
 
 def _entries(path: Path) -> List[str]:
