@@ -53,7 +53,8 @@ def test_a_second_writer_is_refused_with_one_line_and_a_killed_holder_leaves_not
         res = _train("--resume", str(run))
         lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
-        assert lines[0].startswith(f"error: run_dir: {run} is being written by another trajgrad process (pid {holder.pid} on ")
+        expected = f"error: run_dir: {run} is being written by another trajgrad process (pid {holder.pid} on "
+        assert lines[0].startswith(expected)
         assert "started " in lines[0] and " UTC)" in lines[0] and "Traceback" not in res.stderr
         # A new run with --overwrite into the live run is refused the same way.
         from trajgrad.train.run import main

@@ -337,7 +337,8 @@ def test_no_prefix_turns_a_violation_frame_into_something_else(prefix, message):
 
 # The real __import__ from a frame's builtins (the runner's own frame, reached through
 # f_back), the meta-path guard dropped: the blocked modules load without a violation;
-# gc finds the audit hook and empties the table of refused events in its closure: resource.setrlimit is no longer reported.
+# gc finds the audit hook and empties the table of refused events in its closure:
+# resource.setrlimit is no longer reported.
 UNGUARDED = r"""
 import sys
 f = sys._getframe()
@@ -392,7 +393,8 @@ for guards in (True, False):
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to become an ordinary user")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root to become an ordinary user")
 def test_the_boundary_holds_for_an_ordinary_user(tmp_path):
     """pidfd_getfd, AF_VSOCK and the swallowed violation, with the parent an ordinary user
     (``nobody``, with the system's Python, which it can read)."""

@@ -34,10 +34,10 @@ result frames (the last value, the exception, violations reported against itself
 separate pipe) are parsed strictly (:mod:`._sandbox_channel`): anything but the
 runner's protocol is tampering, a violation the parent establishes itself, as is a
 process the seccomp filter killed (``SIGSYS``). The request reaches the child through a
-pipe: no process of the sandbox holds a descriptor of a host file. Limits and kills are decided by the parent
-from its own clock, its byte counts and the exit status; the isolation facts in
-:attr:`SandboxedPython.last_run` are the parent's record of the command line it ran
-(:class:`~trajgrad.envs.bubblewrap.Isolation`).
+pipe: no process of the sandbox holds a descriptor of a host file. Limits and kills are
+decided by the parent from its own clock, its byte counts and the exit status; the
+isolation facts in :attr:`SandboxedPython.last_run` are the parent's record of the
+command line it ran (:class:`~trajgrad.envs.bubblewrap.Isolation`).
 
 **Results.** :meth:`SandboxedPython.run` never raises for bad or hostile code: every
 violation, limit or crash becomes ``ToolResult(output, error)`` with a message the agent

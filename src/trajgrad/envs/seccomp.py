@@ -72,7 +72,8 @@ ALLOWED: Dict[str, str] = {
     "memory": "brk mmap munmap mremap mprotect madvise msync mincore membarrier map_shadow_stack mseal",
     # Signals reach only the sandbox's own PID namespace.
     "threads, signals and clocks": """
-        futex futex_waitv futex_wake futex_wait futex_requeue set_tid_address set_robust_list rseq arch_prctl sched_yield
+        futex futex_waitv futex_wake futex_wait futex_requeue set_tid_address set_robust_list rseq
+        arch_prctl sched_yield
         sched_getaffinity getcpu rt_sigaction rt_sigprocmask rt_sigreturn rt_sigpending
         rt_sigtimedwait rt_sigsuspend sigaltstack pause kill tgkill tkill nanosleep
         clock_nanosleep clock_gettime clock_getres gettimeofday time times getitimer setitimer
