@@ -29,6 +29,7 @@ from trajgrad.rollout import read_trajectories
 from trajgrad.train.config import build_config
 from trajgrad.train.metrics import read_metrics
 from trajgrad.train.rundir import check_resume, config_diff, config_fingerprint
+from trajgrad.train.runlock import LOCK_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
@@ -154,8 +155,9 @@ def _kill(env, run_dir, mode, at, *extra):
 
 
 def _files(run_dir):
+    # the writer's lock file names its latest holder (trajgrad.train.runlock), not run data
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
 
 
 def _strip(rows):

@@ -14,6 +14,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -307,44 +308,37 @@ def test_large_output_is_truncated_to_the_cap(sandbox):
     assert elapsed < 8.0
 
 
-def fh_comm(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
-def _orphaned_zombies():
-    """Zombie processes whose parent is the host's init (what a killed sandbox must not leave)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    fields = fh.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            # bwrap is what the sandbox starts; other tests' killed processes (python) may be
-            # re-parented to init at the same time on another test worker
-            comm = fh_comm(entry)
-            if fields[0] == b"Z" and fields[1] == b"1" and comm == "bwrap":
-                found.add(int(entry))
-    return found
+def _still_there(pids):
+    """Those of ``pids`` that still exist as a sandbox process (bwrap or the runner), a
+    zombie included. Only this test's own sandboxes are looked at: other test workers'
+    processes, re-parented to a slow-reaping init, are not counted."""
+    left = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                comm = fh.read().strip()
+        except OSError:
+            continue
+        if comm in ("bwrap", "python", os.path.basename(sys.executable)[:15]):
+            left.add(pid)
+    return left
 
 
 def test_killed_sandboxes_leave_no_processes_behind():
-    before = _orphaned_zombies()
     sb = SandboxedPython(timeout_s=0.8, max_output_bytes=100)
+    pids = set()
     assert "wall-time" in sb.run("import time\ntime.sleep(30)").error
+    pids |= {p for p in sb.last_run["pids"].values() if p is not None}
     assert "output limit" in sb.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)").error
+    pids |= {p for p in sb.last_run["pids"].values() if p is not None}
+    assert len(pids) == 4  # bwrap and the sandbox's first process, twice
     # bwrap's outer process may exit before its PID-namespace init is reaped (on a normal
     # exit too); that init is then re-parented to the host's init, which reaps it. What
     # must not happen is a sandbox left running or a zombie that stays.
     deadline = time.monotonic() + 10.0
-    while _orphaned_zombies() - before and time.monotonic() < deadline:
+    while _still_there(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _orphaned_zombies() - before == set()
+    assert _still_there(pids) == set()
 
 
 def test_raw_descriptor_flood_is_killed_by_the_parent(sandbox):

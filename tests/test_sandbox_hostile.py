@@ -321,6 +321,18 @@ for fd in range(3, 64):
         pass
 raise ValueError('x' * 1_000_000)
 """, check=lambda result, sb, ctx: None if result.error and len(result.error) < 20_000 else "error not bounded"),
+    Attack("forge-swallow-violation", "forgery", REAL + """
+import json
+fd = int(sys.argv[1])
+os.write(fd, b'{{"kind": "result", "value": "\\'clean\\'", "error": null, "x": ')
+try:
+    open('/etc/passwd')
+except Exception:
+    pass
+os.write(fd, b'}}\\n')
+os.write(fd, (json.dumps({{'kind': 'result', 'value': "'clean'", 'error': None}}) + '\\n').encode())
+os._exit(0)
+"""),
     # --- clearing the violation record -----------------------------------------------
     Attack("clear-violations-via-frames", "record", REAL + """
 try:
@@ -596,6 +608,20 @@ for fn, args in [(os.rename, ({venv_file!r}, 'stolen')), (os.link, ({venv_file!r
         print('ESCAPED', fn.__name__)
     except Exception as e:
         print('no', fn.__name__, type(e).__name__)
+"""),
+    # --- descriptors of the sandbox's init, socket families outside the namespace -------
+    Attack("pidfd-getfd-init-stdin", "descriptors", REAL + """
+import ctypes
+fd = ctypes.CDLL(None, use_errno=True).syscall(438, os.pidfd_open(1), 0, 0)
+if fd >= 0:
+    os.write(1, b'ESCAPED wrote %d bytes to the init fd 0' % os.write(fd, b'Z' * 500000))
+"""),
+    Attack("vsock-listen", "network", REAL + """
+import _socket
+s = _socket.socket(40, _socket.SOCK_STREAM)
+s.bind((0xFFFFFFFF, 0xFFFFFFFF))
+s.listen()
+print('ESCAPED vsock listening on', s.getsockname())
 """),
     # --- privileges and the installation ----------------------------------------------
     Attack("regain-root", "privileges", REAL + """

@@ -140,3 +140,12 @@ def per_token(name: str, x, shape: Sequence[int], mask: torch.Tensor, *, allow_p
         check_shape(name, x, shape, against="mask")
     check_finite(name, x, mask)
     return fill_masked(x, mask)
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    r"""``x`` in float32 when it is a 16-bit float (an attached cast), else ``x`` itself.
+
+    Ratios are :math:`e^{z}` of log-ratios: float16 overflows from :math:`z\approx11.1`
+    (:math:`e^{z}>65504`), so every loss and ratio computes in at least float32.
+    """
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

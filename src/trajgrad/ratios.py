@@ -2,7 +2,9 @@ r"""Importance ratios between the current policy and the policy that sampled (sp
 
 All inputs are ``[B, L]`` per-token log-probabilities aligned with the targets (§4);
 ``old_logp`` is the behaviour (rollout / old-policy) log-probability and is *detached*
-inside every function: it is evidence, not a parameter.
+inside every function: it is evidence, not a parameter. 16-bit inputs (float16,
+bfloat16) are computed, and returned, in float32: a ratio :math:`e^{z}` overflows
+float16 from :math:`z\approx11.1`.
 
 =============================  =========================================================
 ``token_log_ratio``            :math:`\log\rho_{ij}=\ell^\theta_{ij}-\ell^{old}_{ij}` (§7)
@@ -29,6 +31,7 @@ def _prepare(logp, old_logp, mask):
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
+    logp = _checks.at_least_float32(logp)  # ratios e^z overflow float16 from z ~ 11.1
     mask = _checks.check_mask("mask", mask, logp.shape)
     logp = _checks.per_token("logp", logp, logp.shape, mask)
     old_logp = _checks.per_token("old_logp", _checks.as_tensor("old_logp", old_logp).detach(), logp.shape, mask)

@@ -2,7 +2,7 @@
 
 Started by bubblewrap as ``python -I -B -X utf8 runner.py RESULT_FD`` inside the
 sandbox (see :mod:`trajgrad.envs.bubblewrap`), with the request (JSON: code, limits) on
-standard input. In this order it:
+standard input, a pipe the parent writes (no file of the host). In this order it:
 
 1. imports a small set of harmless modules that user code may use (math, cmath,
    fractions, decimal, statistics, random, re, json, itertools, functools,
@@ -22,10 +22,13 @@ standard input. In this order it:
    (the parent reads them as plain data), then writes a ``result`` frame (the repr of
    a final expression's value, or the exception) and exits.
 
-Frames are JSON lines. The user code runs in this process, so it can write frames
-too: the parent therefore takes from them only what the code could have printed
-anyway (its last value, its exception, a violation it reports against itself) and
-decides everything else (limits, isolation, the kill) from what it observes.
+Frames are JSON lines, each written whole (a violation frame is at most a few KiB: one
+atomic pipe write). The user code runs in this process, so it can write frames too:
+the parent therefore reads them strictly (anything but this protocol is tampering,
+:mod:`trajgrad.envs._sandbox_channel`), takes from them only what the code could have
+printed anyway (its last value, its exception, a violation it reports against itself)
+and decides everything else (limits, isolation, the kill, tampering, a seccomp kill)
+from what it observes. The guards here are advisory: code can switch them off.
 """
 import ast
 import builtins
@@ -210,8 +213,12 @@ def _install_guards(send, work_dir):
                 return True
         return False
 
+    def report(message):
+        # At most 300 characters (3.6 KB as JSON): one frame is one atomic pipe write.
+        send({"kind": "violation", "message": message[:300]})
+
     def refuse(message):
-        send({"kind": "violation", "message": message})
+        report(message)
         raise PermissionError_(f"sandbox: {message}")
 
     def is_text(obj):
@@ -257,7 +264,7 @@ def _install_guards(send, work_dir):
         @staticmethod
         def find_spec(name, path=None, target=None):
             if name.partition(".")[0] in load_blocked:
-                send({"kind": "violation", "message": f"import of {name!r} is not allowed"})
+                report(f"import of {name!r} is not allowed")
                 raise ImportError_(f"sandbox: import of {name!r} is not allowed", name=name)
             return None
 
@@ -265,7 +272,7 @@ def _install_guards(send, work_dir):
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
         if level == 0 and type_(name) is str_ and name.partition(".")[0] in user_blocked:
-            send({"kind": "violation", "message": f"import of {name!r} is not allowed"})
+            report(f"import of {name!r} is not allowed")
             raise ImportError_(f"sandbox: import of {name!r} is not allowed", name=name)
         return real_import(name, globals, locals, fromlist, level)
 

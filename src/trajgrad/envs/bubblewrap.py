@@ -24,6 +24,9 @@ What the child sees (every mode):
 * **Environment.** Empty apart from ``HOME``/``TMPDIR`` (the work directory), ``PATH``
   and ``LANG``. Nothing of the parent's environment.
 * **Session.** Its own session (``--new-session``): no access to the parent's terminal.
+* **Descriptors.** Pipes only (standard input, output, error, the result channel, the
+  seccomp program and ``--info-fd``): no process of the sandbox, bubblewrap's own
+  included, holds a descriptor of a host file (see :mod:`trajgrad.envs.sandbox`).
 
 Who the child is, by mode (see :class:`Isolation`):
 

@@ -13,8 +13,11 @@ each: ``docs/sandbox.md``):
    holding only the Python installation and its shared libraries, read-only; a private
    work directory that is a tmpfs of ``max_disk_bytes`` bytes in total; an empty
    environment; no ``/proc``, no host files, no other processes, no network.
-2. **A seccomp filter** (:mod:`.seccomp`, x86-64 and AArch64): no ``fork``, no
-   namespace, mount, ``ptrace`` or kernel-administration calls.
+2. **A seccomp filter** (:mod:`.seccomp`, x86-64 and AArch64), default-deny over the
+   kernel's whole system-call table: no ``fork``, no socket family but ``AF_UNIX``,
+   ``AF_INET`` and ``AF_INET6``; calls that reach other processes, namespaces, mounts
+   or kernel extension points (``ptrace``, ``pidfd_getfd``, ``bpf``, ``mount``, ...)
+   kill the process, which the parent sees.
 3. **Resource limits** set before any user code (hard = soft, so they cannot be
    raised): ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``),
    ``RLIMIT_NPROC = 0``, ``RLIMIT_FSIZE`` (``max_file_bytes`` per file),
@@ -23,15 +26,18 @@ each: ``docs/sandbox.md``):
 4. **In-process guards** (an audit hook and import guards in the child), which turn
    most attempts into one clear message for the agent (``"sandbox: network access is
    not allowed (socket.connect)"``). They are not a boundary: layers 1-3 hold when
-   code gets around them.
+   code gets around them, and the violations they report are advisory.
 
 **What the parent trusts.** Nothing the child says about itself beyond what its code
 could have printed. The child's standard output and error are read as plain data; its
 result frames (the last value, the exception, violations reported against itself, on a
-separate pipe) are parsed as untrusted text. Limits and kills are decided by the parent
-from its own clock, its byte counts and the exit status; the isolation facts in
-:attr:`SandboxedPython.last_run` are the parent's record of the command line it ran
-(:class:`~trajgrad.envs.bubblewrap.Isolation`).
+separate pipe) are parsed strictly (:mod:`._sandbox_channel`): anything but the
+runner's protocol is tampering, a violation the parent establishes itself, as is a
+process the seccomp filter killed (``SIGSYS``). The request reaches the child through a
+pipe: no process of the sandbox holds a descriptor of a host file. Limits and kills are
+decided by the parent from its own clock, its byte counts and the exit status; the
+isolation facts in :attr:`SandboxedPython.last_run` are the parent's record of the
+command line it ran (:class:`~trajgrad.envs.bubblewrap.Isolation`).
 
 **Results.** :meth:`SandboxedPython.run` never raises for bad or hostile code: every
 violation, limit or crash becomes ``ToolResult(output, error)`` with a message the agent
@@ -53,13 +59,13 @@ import selectors
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 from . import bubblewrap
 from .arithmetic import count_operations, format_number, safe_eval_arithmetic
+from ._sandbox_channel import UNFINISHED, read_channel
 from .seccomp import build_filter
 from .tool_result import ToolResult
 
@@ -68,7 +74,6 @@ __all__ = ["SandboxedPython", "safe_eval_arithmetic", "format_number", "count_op
 _RUNNER = str(Path(__file__).with_name("_sandbox_runner.py"))
 _EXIT_DROP_FAILED = 70  # kept in step with _sandbox_runner.EXIT_DROP_FAILED
 _EXIT_CHANNEL_LOST = 71  # ... and EXIT_CHANNEL_LOST
-_MAX_FRAME_CHARS = 1 << 20
 _STARTED: set = set()  # configurations known to start (see SandboxedPython._check_starts)
 
 
@@ -206,21 +211,21 @@ class SandboxedPython:
             "drop_uid": None if isolation.drop_to is None else isolation.drop_to[0],
             "drop_gid": None if isolation.drop_to is None else isolation.drop_to[1],
         }
-        with tempfile.TemporaryFile() as request_file, tempfile.TemporaryFile() as filter_file:
-            request_file.write(json.dumps(request).encode("utf-8", "surrogatepass"))
-            request_file.seek(0)
-            seccomp_fd = None
-            if self._seccomp is not None:
-                filter_file.write(self._seccomp)
-                filter_file.seek(0)
-                seccomp_fd = filter_file.fileno()
-            return self._run(isolation, request_file, seccomp_fd)
+        # The request and the filter travel through pipes: nothing the child could reach
+        # (its init's descriptors included) is a file of the host.
+        return self._run(isolation, json.dumps(request).encode("utf-8", "surrogatepass"), self._seccomp)
 
     # -- internals -------------------------------------------------------------------
 
-    def _run(self, isolation: bubblewrap.Isolation, request_file, seccomp_fd: Optional[int]) -> ToolResult:
+    def _run(self, isolation: bubblewrap.Isolation, request: bytes, program: Optional[bytes]) -> ToolResult:
         read_end, write_end = os.pipe()
         info_read, info_write = os.pipe()
+        stdin_read, stdin_write = os.pipe()
+        seccomp_fd = None
+        if program is not None:
+            seccomp_fd, filter_write = os.pipe()
+            os.write(filter_write, program)  # well below a pipe's buffer (64 KiB): never blocks
+            os.close(filter_write)
         argv = bubblewrap.command(
             self.bwrap,
             isolation,
@@ -236,7 +241,7 @@ class SandboxedPython:
         try:
             proc = subprocess.Popen(
                 argv,
-                stdin=request_file,
+                stdin=stdin_read,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={},
@@ -245,31 +250,37 @@ class SandboxedPython:
                 start_new_session=True,
             )
         except OSError as exc:
-            for fd in (read_end, write_end, info_read, info_write):
+            for fd in (read_end, write_end, info_read, info_write, stdin_read, stdin_write) + passed[2:]:
                 os.close(fd)
             return ToolResult("", f"sandbox could not start ({exc})")
-        os.close(write_end)
-        os.close(info_write)
+        for fd in (write_end, info_write, stdin_read) + passed[2:]:
+            os.close(fd)
+        os.set_blocking(stdin_write, False)
         channel = os.fdopen(read_end, "rb", buffering=0)
         info = os.fdopen(info_read, "rb", buffering=0)
-        out, err, frames, totals, reason, status = self._communicate(proc, channel, info, start)
+        out, err, frames, totals, reason, status, child = self._communicate(
+            proc, channel, info, start, stdin_write, request
+        )
         record = {
+            # The host's numbers of bwrap and of the sandbox's first process (None if unknown).
+            "pids": {"bwrap": proc.pid, "sandbox": child},
             "wall_s": time.monotonic() - start,
             "returncode": proc.returncode,
             "killed": reason,
             "stderr": err[-2000:].decode("utf-8", "replace"),
-            "seccomp": seccomp_fd is not None,
+            "seccomp": program is not None,
             **isolation.as_dict(),
         }
         result = self._interpret(status, out, err, frames, totals, reason, record)
         self.last_run = record  # one assignment: concurrent runs never mix their records
         return result
 
-    def _communicate(self, proc: subprocess.Popen, channel, info, start: float):
-        """Read the pipes (capped) until EOF or the wall time; stop the sandbox; reap it.
+    def _communicate(self, proc: subprocess.Popen, channel, info, start: float, stdin_fd: int, request: bytes):
+        """Write the request to the child's standard input (then close it); read the pipes
+        (capped) until EOF or the wall time; stop the sandbox; reap it.
 
         Returns (stdout head, stderr head, channel bytes, total stdout+stderr bytes,
-        kill reason, wait status).
+        kill reason, wait status, the sandbox's first process id or None).
         """
         reason = None
         keep = self.max_output_bytes + 1
@@ -282,6 +293,8 @@ class SandboxedPython:
         sel = selectors.DefaultSelector()
         for stream in (proc.stdout, proc.stderr, channel, info):
             sel.register(stream, selectors.EVENT_READ)
+        pending = memoryview(request)
+        sel.register(stdin_fd, selectors.EVENT_WRITE)
         deadline = start + self.timeout_s
         status = None
         sandbox_pid = None
@@ -292,6 +305,18 @@ class SandboxedPython:
                     reason = "wall"
                     break
                 for key, _ in sel.select(remaining):
+                    if key.fd == stdin_fd:
+                        try:
+                            pending = pending[os.write(stdin_fd, pending[:65536]):]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the child is gone before reading it all
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(stdin_fd)
+                            os.close(stdin_fd)
+                            stdin_fd = -1
+                        continue
                     data = os.read(key.fd, 65536)
                     name = streams[key.fd]
                     if not data:
@@ -309,6 +334,8 @@ class SandboxedPython:
                 reason = "wall"  # all pipes closed, yet the sandbox is still running
         finally:
             sel.close()
+            if stdin_fd >= 0:
+                os.close(stdin_fd)
             if sandbox_pid is None and reason is not None:
                 # bwrap writes the child's pid right after creating it: without it, killing
                 # bwrap would orphan that process to the host's init (a zombie where init
@@ -316,6 +343,7 @@ class SandboxedPython:
                 _drain_info(info, heads["info"], limits["info"], time.monotonic() + _INFO_WAIT_S)
                 if heads["info"]:
                     sandbox_pid = _open_sandbox_pid(bytes(heads["info"]), proc.pid)
+            child = _child_pid(bytes(heads["info"]))
             status = _stop(proc, sandbox_pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
             if sandbox_pid is not None:
@@ -323,25 +351,34 @@ class SandboxedPython:
             for stream in (proc.stdout, proc.stderr, channel, info):
                 stream.close()
         total = sizes["out"] + sizes["err"]
-        return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), total, reason, status
+        return bytes(heads["out"]), bytes(heads["err"]), bytes(heads["chan"]), total, reason, status, child
 
     def _interpret(self, status, out: bytes, err: bytes, chan: bytes, total: int, reason, record: dict) -> ToolResult:
         cap = self.max_output_bytes
-        frames = _parse_frames(chan)
-        ready = any(f.get("kind") == "ready" for f in frames)
+        channel = read_channel(chan)
+        ready = channel.ready
         record["ready"] = ready
-        violations = [
-            f["message"] for f in frames if f.get("kind") == "violation" and isinstance(f.get("message"), str)
-        ]
-        results = [f for f in frames if f.get("kind") == "result"]
+        # Established by the parent itself: a tampered channel, a system call the filter
+        # killed. Reported by the runner's guards (advisory; docs/sandbox.md): violations.
+        caught = []
+        code = os.waitstatus_to_exitcode(status)
+        signum = code - 128 if code > 128 else (-code if code < 0 else 0)
+        # A kill (the parent's, or a limit's signal) may cut the frame being written: an
+        # unfinished last frame is tampering only when the process ended by itself (a
+        # violation frame ends its line, so none can hide in an unfinished last one).
+        if channel.tampered is not None and not (channel.tampered == UNFINISHED and (reason or signum)):
+            caught.append(f"the result channel was tampered with ({channel.tampered})")
+        if ready and reason is None and signum == signal.SIGSYS:
+            caught.append("a forbidden system call was made; the process was killed (SIGSYS)")
+        violations = caught + [v[:1000] for v in channel.violations]
         record["violations"] = violations[:20]
+        record["parent_verdict"] = caught
         text = _join(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
         if reason == "wall":
             message = f"wall-time limit exceeded ({self.timeout_s:g} s); the process was killed"
             return ToolResult(_truncate(text, cap)[0], message)
         if reason == "flood":
             return ToolResult(_truncate(text, cap)[0], f"output limit exceeded ({cap} bytes); the process was killed")
-        code = os.waitstatus_to_exitcode(status)
         if not ready:
             if code == _EXIT_DROP_FAILED:
                 return ToolResult("", "sandbox: could not switch to the unprivileged user; nothing was run")
@@ -350,21 +387,20 @@ class SandboxedPython:
             return ToolResult("", f"sandbox could not start ({detail})")
         error: Optional[str] = None
         value: Optional[str] = None
-        signum = code - 128 if code > 128 else (-code if code < 0 else 0)
+        result = channel.result if channel.tampered is None else None
         if code == _EXIT_CHANNEL_LOST:
             error = "sandbox: the result channel was tampered with; the process was stopped"
         elif signum == signal.SIGXCPU:
             error = f"CPU time limit exceeded ({self.cpu_s} s); the process was killed"
         elif signum == signal.SIGKILL:
             error = f"the process was killed (CPU time {self.cpu_s} s or memory {self.memory_mb} MB limit)"
-        elif signum and signum in signal.valid_signals():
+        elif signum and signum in signal.valid_signals() and signum != signal.SIGSYS:
             error = f"the process was killed by signal {signal.Signals(signum).name}"
-        elif not results:
-            error = f"the process exited without a result (exit code {code})"
+        elif result is None:
+            if channel.tampered is None and signum != signal.SIGSYS:
+                error = f"the process exited without a result (exit code {code})"
         else:
-            last = results[-1]
-            value = last.get("value") if isinstance(last.get("value"), str) else None
-            error = last.get("error") if isinstance(last.get("error"), str) else None
+            value, error = result["value"], result["error"]
             if code != 0 and error is None:
                 error = f"the process exited with code {code}"
         if violations and (error is None or "sandbox:" not in error):
@@ -385,20 +421,6 @@ def _join(text: str, more: str) -> str:
     if not more:
         return text
     return f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{more}"
-
-
-def _parse_frames(data: bytes) -> List[dict]:
-    frames = []
-    for line in data.decode("utf-8", "replace").split("\n"):
-        if not line or len(line) > _MAX_FRAME_CHARS:
-            continue
-        try:
-            frame = json.loads(line)
-        except (ValueError, RecursionError):  # malformed or nested too deeply: not a frame
-            continue
-        if isinstance(frame, dict):
-            frames.append(frame)
-    return frames
 
 
 def _truncate(text: str, cap: int):
@@ -450,16 +472,26 @@ def _exited_unreaped(pid: int, deadline: float) -> bool:
         time.sleep(0.002)
 
 
+def _child_pid(info: bytes) -> Optional[int]:
+    """bwrap's ``child-pid`` report, or None."""
+    try:
+        return int(json.loads(info.decode("utf-8"))["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _open_sandbox_pid(info: bytes, bwrap_pid: int) -> Optional[int]:
     """A pidfd for the sandbox's first process (bwrap's ``child-pid``), if it is still ours.
 
     The pidfd pins the process: a signal sent through it cannot reach a later process that
     reused the number. It is kept only if that process's parent is our bwrap.
     """
+    pid = _child_pid(info)
     try:
-        pid = int(json.loads(info.decode("utf-8"))["child-pid"])
-        fd = os.pidfd_open(pid)
-    except (ValueError, KeyError, TypeError, OSError, AttributeError):
+        fd = os.pidfd_open(pid) if pid is not None else None
+    except (OSError, AttributeError):
+        return None
+    if fd is None:
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:

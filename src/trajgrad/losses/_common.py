@@ -25,6 +25,11 @@ A float mask is checked to be 0/1 in two passes: :math:`\sum_j t_j^2 = 0` with
 :math:`t_j=m_j(1-m_j)`, a sum of non-negative terms, each 0 exactly when :math:`m_j\in\{0,1\}`
 (no cancellation: a value :math:`\delta` away from 0 or 1 is found for any
 :math:`\delta>10^{-19}` in float32; NaN and ±inf make the sum NaN or inf).
+
+**Dtype.** 16-bit log-probs (float16, bfloat16) are cast to float32 (an attached cast, so
+the gradient flows back in the input's dtype) before anything else: every loss forms
+ratios :math:`e^{z}`, which overflow float16 from :math:`z\approx11.1`. The loss and its
+metrics are then float32; float32 and float64 inputs keep their dtype.
 """
 from __future__ import annotations
 
@@ -232,6 +237,7 @@ def prepare(
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
+    logp = _checks.at_least_float32(logp)  # ratios e^z overflow float16 from z ~ 11.1
     shape = tuple(logp.shape)
     mb, mf, lengths, scratch = _as_mask(mask, shape, logp.dtype)
     adv = _checks.as_tensor(advantages_name, advantages).detach()

@@ -96,8 +96,9 @@ def kl_estimate(
       old_logp: optional ``[B, L]`` log-probs under the sampling policy (detached here);
         when given, the estimate is weighted by the attached ratio :math:`\rho`.
     Returns:
-      ``[B, L]`` estimates, exactly 0 at masked positions (no gradient there). Reduce with
-      :func:`trajgrad.aggregate.aggregate` or put them in the reward (detached).
+      ``[B, L]`` estimates, exactly 0 at masked positions (no gradient there), float32 for
+      16-bit inputs. Reduce with :func:`trajgrad.aggregate.aggregate` or put them in the
+      reward (detached).
     """
     _checks.check_choice("kind", kind, KINDS)
     if clamp is not None:
@@ -108,6 +109,7 @@ def kl_estimate(
     logp = _checks.as_tensor("logp", logp)
     _checks.check_ndim("logp", logp, 2)
     _checks.check_floating("logp", logp)
+    logp = _checks.at_least_float32(logp)  # e^{-z} and the ratio overflow float16 from |z| ~ 11.1
     if mask is None:
         m = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
     else:

@@ -66,9 +66,26 @@ def main(
     non-empty ``run_dir`` unless ``overwrite``; a resume (``resume``: the run directory) refuses
     a config that differs from the run's unless ``allow_config_change``, and resumes from
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
+    The process that writes the run directory (rank 0 under torchrun) holds its lock until
+    it ends; a second writer is refused naming the holder (:mod:`trajgrad.train.runlock`).
     """
     from ..objective import explain
-    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir
+
+    locks: list = []  # rank 0's locks on the run directory (see trajgrad.train.runlock)
+    try:
+        _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint, explain)
+    finally:
+        for lock in locks:
+            if lock is not None:
+                lock.release()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        end_distributed_worker(0)  # one of several processes (torchrun): see end_distributed_worker
+    return 0
+
+
+def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint, explain):
+    """:func:`main`'s body; the run directory's locks are appended to ``locks``."""
+    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
 
     plan = None
     if resume is not None:
@@ -76,6 +93,8 @@ def main(
             raise ValueError("overwrite: --overwrite starts a new run; it cannot be combined with --resume")
         if run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
             raise ValueError("run_dir: --resume continues the run in its own directory; drop --run-dir")
+        if _rank() == 0:  # under torchrun rank 0 owns (and locks) the run directory
+            locks.append(lock_existing_run_dir(resume))  # before reading it: one writer at a time
         plan = check_resume(resume, config=config, preset=preset, overrides=overrides,
                             allow_config_change=allow_config_change, checkpoint=checkpoint)
         cfg: Config = plan.cfg
@@ -87,7 +106,8 @@ def main(
             raise ValueError("checkpoint: --checkpoint only applies with --resume")
         cfg = load_config(config, preset=preset, overrides=overrides)
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if _rank() == 0:  # under torchrun rank 0 owns the run directory
+        if _rank() == 0:  # under torchrun rank 0 owns (and locks) the run directory
+            locks.append(lock_existing_run_dir(out_dir))  # a run still writing there is refused, even with --overwrite
             check_new_run_dir(out_dir, overwrite=overwrite)
     objective_text = explain(cfg.objective())
     from .trainer import Trainer
@@ -98,7 +118,8 @@ def main(
         if plan is not None:
             commit_resume(plan)
         else:
-            new_dir = create_run_dir(out_dir, cfg, overwrite=overwrite)
+            new_dir = create_run_dir(out_dir, cfg, overwrite=overwrite, lock=locks[-1])
+            locks.append(new_dir.lock)
     _console(f"run directory: {out_dir}")
     for note in plan.notes if plan is not None else ():
         _console(note)
@@ -122,6 +143,3 @@ def main(
     trainer.run()
     _console(f"done in {time.perf_counter() - t0:.0f} s; metrics: {out_dir / 'metrics.jsonl'}; "
              f"plots: trajgrad plot {out_dir}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        end_distributed_worker(0)  # one of several processes (torchrun): see end_distributed_worker
-    return 0

@@ -1,5 +1,9 @@
 """Run directories that cannot be damaged by accident.
 
+One writer at a time: the process that writes a run directory (rank 0 under torchrun)
+holds its ``flock`` (:mod:`.runlock`, taken before the directory is read); a second
+writer is refused with one line naming the holder.
+
 A run directory holds ``run.json`` (the config the run's checkpoints were made with, its
 SHA-256 fingerprint and the history of allowed changes), ``config.json`` (the same config,
 for reading), ``checkpoints/``, ``metrics.jsonl`` and ``trajectories.jsonl``.
@@ -32,10 +36,12 @@ from typing import Any, Dict, List, Optional
 
 from . import checkpoint_files as F
 from .checkpoint import list_checkpoints, newest_intact_checkpoint, verify_checkpoint
+from .runlock import LOCK_FILE, RunDirLock, lock_run_dir
 
 __all__ = [
     "RUN_FILE", "ResumePlan", "config_fingerprint", "config_diff", "check_new_run_dir",
     "create_run_dir", "check_resume", "check_resume_state", "commit_resume", "record_determinism",
+    "lock_existing_run_dir",
 ]
 
 RUN_FILE = "run.json"
@@ -72,6 +78,25 @@ def _is_run_dir(path: Path) -> bool:
     return any((path / m).exists() for m in _RUN_MARKERS)
 
 
+def lock_existing_run_dir(path) -> Optional[RunDirLock]:
+    """Lock ``path`` (:func:`.runlock.lock_run_dir`) when it is a run directory already (or
+    holds a lock file); None otherwise, creating nothing: a directory that is not a run is
+    refused by the checks, or becomes one (and is locked) in :func:`create_run_dir`.
+
+    Raises:
+      RunDirLocked: another live process writes the run (the message names it).
+    """
+    path = Path(path)
+    if path.is_dir() and (_is_run_dir(path) or (path / LOCK_FILE).exists()):
+        return lock_run_dir(path)
+    return None
+
+
+def _entries(path: Path) -> List[str]:
+    """The directory's entries but the writer's lock file (:mod:`.runlock`)."""
+    return sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE)
+
+
 def check_new_run_dir(path, *, overwrite: bool = False) -> Path:
     """Check that a new run may be written at ``path``; changes nothing on disk.
 
@@ -83,7 +108,7 @@ def check_new_run_dir(path, *, overwrite: bool = False) -> Path:
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise ValueError(f"run_dir: {path} exists and is not a directory")
-        entries = sorted(p.name for p in path.iterdir())
+        entries = _entries(path)
         if entries:
             if not overwrite:
                 shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
@@ -131,8 +156,8 @@ class NewRunDir:
     """What :func:`create_run_dir` made; :meth:`abandon` undoes it if the start then fails,
     :meth:`keep` makes it final (and deletes an overwritten run)."""
 
-    def __init__(self, path: Path, created: bool, trash: Optional[Path]):
-        self.path, self.created, self.trash = path, created, trash
+    def __init__(self, path: Path, created: bool, trash: Optional[Path], lock: Optional[RunDirLock] = None):
+        self.path, self.created, self.trash, self.lock = path, created, trash, lock
 
     def keep(self) -> None:
         if self.trash is not None:
@@ -147,20 +172,32 @@ class NewRunDir:
             self.trash = None
 
 
-def create_run_dir(path, cfg, *, overwrite: bool = False) -> NewRunDir:
-    """Create the run directory of a new run (after :func:`check_new_run_dir`) and write
-    ``run.json`` and ``config.json``. An overwritten run is moved aside, deleted by
-    :meth:`NewRunDir.keep` and put back by :meth:`NewRunDir.abandon`."""
+def create_run_dir(path, cfg, *, overwrite: bool = False, lock: Optional[RunDirLock] = None) -> NewRunDir:
+    """Create the run directory of a new run (after :func:`check_new_run_dir`), lock it
+    (:mod:`.runlock`) and write ``run.json`` and ``config.json``. An overwritten run is
+    moved aside, deleted by :meth:`NewRunDir.keep` and put back by
+    :meth:`NewRunDir.abandon`. ``lock``: the caller's lock on the existing directory, kept
+    when the directory stays the same one (empty before).
+
+    Raises:
+      RunDirLocked: another process took the new directory's lock first.
+    """
     path = check_new_run_dir(path, overwrite=overwrite)
     trash = None
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and _entries(path):
         trash = path.with_name(f".{path.name}.overwritten-{uuid.uuid4().hex[:8]}")
         os.replace(path, trash)
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
+    if lock is None or not lock.held or trash is not None or created:
+        try:
+            lock = lock_run_dir(path)
+        except ValueError:
+            NewRunDir(path, False, trash).abandon()
+            raise
     _write_json_atomic(path / RUN_FILE, _run_record(cfg))
     _write_atomic(path / "config.json", _config_text(cfg))
-    return NewRunDir(path, created, trash)
+    return NewRunDir(path, created, trash, lock)
 
 
 # ----------------------------------------------------------------------------- resume
