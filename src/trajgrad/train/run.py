@@ -67,7 +67,7 @@ def main(
     a config that differs from the run's unless ``allow_config_change``, and resumes from
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
     """
-    from ..objective import explain
+    from .mixture import explain_config
     from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir
 
     plan = None
@@ -89,7 +89,7 @@ def main(
         out_dir = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if _rank() == 0:  # under torchrun rank 0 owns the run directory
             check_new_run_dir(out_dir, overwrite=overwrite)
-    objective_text = explain(cfg.objective())
+    objective_text = explain_config(cfg)  # with tasks: each environment's objective where they differ
     from .trainer import Trainer
 
     # every check passed: from here on the run directory is written
