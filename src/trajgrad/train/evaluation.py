@@ -25,6 +25,13 @@ class EvalResult:
     # several environments (tasks:): each one's own held-out result, by name; None with one task
     environments: Optional[Dict[str, Dict[str, float]]] = None
 
+    def to_dict(self) -> Dict:
+        """The fields (``environments`` only for a run with several), for summaries and checkpoints."""
+        d = dict(self.__dict__)
+        if d["environments"] is None:
+            del d["environments"]
+        return d
+
 
 def format_eval(tag: str, r: EvalResult) -> str:
     text = (f"held-out success {tag}: {r.successes}/{r.n} = {r.success:.1%} (95% CI {r.low:.1%}–{r.high:.1%}), "

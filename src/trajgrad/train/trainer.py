@@ -147,7 +147,7 @@ class Trainer:
             "trajectory_offset": offsets[0], "trajectory_offsets": offsets, "world_size": self.world,
             "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
-            "eval_before": self.eval_before.__dict__ if self.eval_before else None,
+            "eval_before": self.eval_before.to_dict() if self.eval_before else None,
             "sft": self._sft_state,
             "mixture": self.mixture.state_dict() if self.mixture is not None else None,
         }
@@ -425,7 +425,7 @@ class Trainer:
         """
         if self.cfg.eval.after:
             after = self.evaluate("after")
-            summary["eval_after"] = after.__dict__
+            summary["eval_after"] = after.to_dict()
             self.console(format_eval("after", after))
             loop.eval_summary(self, summary, after)
         if self.is_main:
