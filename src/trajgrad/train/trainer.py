@@ -20,6 +20,10 @@ One optimizer step (:meth:`Trainer.train_step`, then :meth:`Trainer.learn`):
    micro-batches with one global denominator (§13), so the gradient of the step equals the
    gradient of the whole batch's loss.
 
+With several environments (``tasks:``), steps 1, 2 and 5 run per environment: each one's
+share of the prompts, its own group size, its advantages on its own groups
+(:mod:`trajgrad.train.mixture`); step 6 is one update over the whole batch.
+
 Setup is in :mod:`trajgrad.train.setup`, the update steps in :mod:`trajgrad.train.updates`,
 the run's frame (preamble, cadence) in :mod:`trajgrad.train.loop`. No estimator is
 implemented here: every formula lives in the core and is called.
