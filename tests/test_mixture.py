@@ -262,3 +262,21 @@ def test_calculator_and_gymnasium_train_together_and_report_per_environment(tmp_
     page = (tmp_path / "calc.html").read_text()
     embedded = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
     assert 'id="environment"' in page and {r["env"] for r in embedded["rows"]} == {"calc"}
+
+
+def test_a_resumed_mixed_run_samples_what_the_uninterrupted_run_did(tmp_path):
+    from trajgrad.rollout import read_trajectories
+    from trajgrad.train.trainer import Trainer
+
+    def ids(run):
+        return [(t.task_id, t.token_ids()) for t in read_trajectories(run / "trajectories.jsonl")]
+
+    quiet = lambda *_: None  # noqa: E731
+    cfg = _mixed_config(steps=3)
+    cfg.eval.after = False
+    Trainer(cfg, tmp_path / "full", console=quiet).run()
+    short = _mixed_config(steps=1)
+    short.eval.after = False
+    Trainer(short, tmp_path / "cut", console=quiet).run()  # checkpointed after step 1
+    Trainer(cfg, tmp_path / "cut", resume=True, console=quiet).run()  # both environments' cursors restored
+    assert ids(tmp_path / "cut") == ids(tmp_path / "full")
