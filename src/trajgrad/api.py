@@ -155,7 +155,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
       The summary dict: ``steps``, ``recipe``, ``eval_before`` / ``eval_after`` (held-out
       success) when evaluated, and ``run_dir``.
     """
-    from .objective import explain
+    from .train.mixture import explain_config
     from .train.rundir import check_new_run_dir, create_run_dir
     from .train.trainer import Trainer
 
@@ -166,7 +166,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
     say = console or print
     new_dir = create_run_dir(out, cfg, overwrite=overwrite)
     say(f"run directory: {out}")
-    say("objective optimized by every update of this run:\n" + explain(cfg.objective()))
+    say("objective optimized by every update of this run:\n" + explain_config(cfg))
     try:
         if cfg.asynchronous.enabled:
             from .train.asynchronous import AsyncTrainer

@@ -64,8 +64,10 @@ def explain(
         if recipe.endswith((".yaml", ".yml")):
             from .train.config import load_config
 
+            from .train.mixture import explain_config
+
             cfg = load_config(recipe, overrides=overrides)
-            typer.echo(explain_fn(cfg.objective()))
+            typer.echo(explain_config(cfg))  # with tasks: each environment's objective where they differ
             return
         typer.echo(explain_fn(recipe, **overrides))
     except ValueError as exc:
@@ -224,15 +226,17 @@ def view(
     port: int = typer.Option(8765, "--port", help="With --serve: the loopback port (0: any free one)."),
     max_episodes: int = typer.Option(5000, "--max-episodes", help="Newest trajectories listed on the page."),
     max_tokens: int = typer.Option(300_000, "--max-tokens", help="Tokens of token detail embedded (newest first)."),
+    env: Optional[str] = typer.Option(None, "--env", help="Only this environment's episodes (a run with tasks:)."),
 ) -> None:
     """Write one self-contained HTML page over a run: episodes, coloured tokens, curves, objective (docs/view.md)."""
     from .view import serve_view, write_view
 
     try:
         if serve:
-            serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens, console=typer.echo)
+            serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens, console=typer.echo,
+                       environment=env)
             return
-        typer.echo(str(write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens)))
+        typer.echo(str(write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens, environment=env)))
     except ValueError as exc:
         _fail(exc)
     except OSError as exc:

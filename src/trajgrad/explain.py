@@ -9,7 +9,7 @@ compares two recipes part by part; :func:`sections` gives the parts by name.
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from .objective import Objective, get_recipe
 
@@ -125,11 +125,15 @@ def _resolve(recipe: "str | Objective", **overrides: Any) -> Objective:
     return recipe.replace(**overrides) if overrides else recipe
 
 
-def explain(recipe: "str | Objective", **overrides: Any) -> str:
-    """The exact estimator a recipe optimizes, as text generated from its registry entries and fields."""
+def explain(recipe: "str | Objective", *, skip: Sequence[str] = (), **overrides: Any) -> str:
+    """The exact estimator a recipe optimizes, as text generated from its registry entries and fields.
+
+    ``skip``: titles of :func:`sections` left out (printed elsewhere, e.g. per environment)."""
     o = _resolve(recipe, **overrides)
     lines = [f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}"]
     for title, body in sections(o).items():
+        if title in skip:
+            continue
         if title in ("critic", "entropy bonus", "dynamic sampling", "rollout correction") and body in ("none", "off"):
             continue
         if title == "aggregation":

@@ -99,6 +99,30 @@ class TaskConfig(_Strict):
         return self
 
 
+class EnvironmentConfig(TaskConfig):
+    """One environment of a run with several (``tasks:``; :mod:`trajgrad.train.mixture`): the keys of
+    ``task:`` (``source`` is what ``task.name`` names there) plus its name, weight, group size and
+    advantage overrides."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="the environment's name in the "
+                      "run (metrics env/<name>/..., trajectories, trajgrad view); unique")
+    source: Optional[str] = Field(None, description="its task source, as task.name: a registered source or "
+                                  "'package.module:factory'; None = name (or 'dataset' with dataset)")
+    weight: float = Field(1.0, gt=0, description="share of each step's prompts (weights are normalized)")
+    group_size: Optional[int] = Field(None, ge=1, description="rollouts per prompt; None = the run's")
+    advantage: Dict[str, Any] = Field({}, description="this environment's overrides of the advantage "
+                                      "estimator's fields (advantage, std_eps, std_unbiased, dynamic_sampling)")
+
+    @model_validator(mode="after")
+    def _dataset_alias(self) -> "EnvironmentConfig":
+        return self  # the dataset alias applies to task_config()
+
+    def task_config(self) -> TaskConfig:
+        """This environment as a ``task:`` section (``source`` as its name)."""
+        source = self.source or ("dataset" if self.dataset is not None else self.name)
+        return TaskConfig.model_validate({**{k: getattr(self, k) for k in TaskConfig.model_fields}, "name": source})
+
+
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     top_k: Optional[int] = Field(None, ge=1)
@@ -265,6 +289,8 @@ class Config(_Strict):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="names the run directory")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    tasks: Optional[List[EnvironmentConfig]] = Field(
+        None, min_length=1, description="several environments in one run, instead of task (trajgrad.train.mixture)")
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
     recipe: RecipeConfig = RecipeConfig()
@@ -326,7 +352,7 @@ def _set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
 def _format_error(exc: ValidationError) -> str:
     msgs = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()))
+        loc = re.sub(r"^tasks\.(\d+)", r"tasks[\1]", ".".join(str(x) for x in err.get("loc", ())))
         if err.get("type") == "extra_forbidden":
             msgs.append(f"{loc}: unknown key")
         else:
@@ -342,12 +368,28 @@ def build_config(data: Dict[str, Any]) -> Config:
 
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
+    if data.get("tasks") is not None and not _default_task(data.get("task")):
+        raise ValueError(_BOTH_TASK_KEYS)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ValueError(_format_error(exc)) from None
     check_config(cfg)
     return cfg
+
+
+_BOTH_TASK_KEYS = ("task, tasks: both given; give task (one environment) or tasks (several, each with the keys "
+                   "of a task plus name, weight, group_size, advantage), not both")
+
+
+def _default_task(task) -> bool:
+    """Whether a ``task`` section is absent or all defaults (what a dumped config with ``tasks`` holds)."""
+    if task is None:
+        return True
+    try:
+        return TaskConfig.model_validate(task) == TaskConfig()
+    except ValidationError:
+        return False
 
 
 def _check_unique_keys(node, path: str, what: str) -> None:
@@ -444,7 +486,7 @@ def load_config(
             if not isinstance(base, str) or base not in PRESETS:
                 raise ValueError(f"preset: unknown {base!r}; known: {', '.join(PRESETS)}")
             data = _deep_update(copy.deepcopy(PRESETS[base]), data)
-        bad = [k for k, v in loaded.items() if k != "name" and not isinstance(v, dict)]
+        bad = [k for k, v in loaded.items() if k not in ("name", "tasks") and not isinstance(v, dict)]
         if bad:
             raise ValueError(f"{bad[0]}: expected a mapping of keys (a section), got {loaded[bad[0]]!r}")
         keys += user_keys(loaded)
@@ -462,6 +504,10 @@ def load_config(
             data = _fresh_task_options(data, {"name": value})
         _set_dotted(data, key, value)
         keys += user_keys(value, key)
+    if data.get("tasks") is not None:  # several environments: a preset's task section is not the user's
+        if any(k == "task" or k.startswith("task.") for k in keys):
+            raise ValueError(_BOTH_TASK_KEYS)
+        data.pop("task", None)
     if not named and "name" not in (overrides or {}):
         data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     cfg = build_config(data)

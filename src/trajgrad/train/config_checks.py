@@ -377,6 +377,35 @@ def _check_task(cfg, errors: _Errors) -> None:
             errors.add(key, _one_line(rest))
 
 
+def _check_tasks(cfg, obj, errors: _Errors) -> None:
+    """``tasks:`` (several environments): each entry checked as a ``task:`` would be, its keys under
+    ``tasks[i]``; then the mixture's own rules (:func:`trajgrad.train.mixture_checks.check_mixture`)."""
+    from types import SimpleNamespace
+
+    from .mixture_checks import check_mixture
+
+    typed_bad = set()  # keys already reported with a bad type: not again by the objective's own check
+    for i, entry in enumerate(cfg.tasks):
+        prefix = f"tasks[{i}]"
+        sub = _Errors()
+        _check_task(SimpleNamespace(task=entry.task_config(), eval=cfg.eval, rollout=cfg.rollout,
+                                    asynchronous=cfg.asynchronous), sub)
+        for item in sub.items:
+            key, _, msg = item.partition(": ")
+            if key == "task.name":
+                key = f"{prefix}.source" if entry.source is not None else f"{prefix}.name"
+            elif key.startswith("task."):
+                key = prefix + key[len("task"):]
+            errors.add(key, msg)
+        for key, value in entry.advantage.items():
+            hint = typing.get_type_hints(type(obj)).get(key) if obj is not None else None
+            bad = _strict_check(hint, value) if hint is not None else None
+            if bad:
+                errors.add(f"{prefix}.advantage.{key}", bad)
+                typed_bad.add(f"{prefix}.advantage.{key}")
+    check_mixture(cfg, obj, lambda key, msg: None if key in typed_bad else errors.add(key, msg))
+
+
 def _check_log_dist(cfg, errors: _Errors) -> None:
     from .tracking import missing_backends
 
@@ -413,7 +442,10 @@ def check_config(cfg) -> None:
     obj = _check_recipe(cfg, errors)
     _check_correction_sources(cfg, obj, errors)
     _check_models(cfg, obj, errors)
-    _check_task(cfg, errors)
+    if cfg.tasks is None:
+        _check_task(cfg, errors)
+    else:
+        _check_tasks(cfg, obj, errors)
     _check_log_dist(cfg, errors)
     if cfg.eval.during_n is not None and cfg.eval.during_n > (cfg.eval.n or cfg.task.n_heldout):
         errors.add("eval.during_n", f"is more than the {cfg.eval.n or cfg.task.n_heldout} held-out tasks evaluated")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -21,11 +22,32 @@ class EvalResult:
     n: int
     successes: int
     reward: float
+    # several environments (tasks:): each one's own held-out result, by name; None with one task
+    environments: Optional[Dict[str, Dict[str, float]]] = None
+
+    def to_dict(self) -> Dict:
+        """The fields (``environments`` only for a run with several), for summaries and checkpoints."""
+        d = dict(self.__dict__)
+        if d["environments"] is None:
+            del d["environments"]
+        return d
 
 
 def format_eval(tag: str, r: EvalResult) -> str:
-    return (f"held-out success {tag}: {r.successes}/{r.n} = {r.success:.1%} (95% CI {r.low:.1%}–{r.high:.1%}), "
+    text = (f"held-out success {tag}: {r.successes}/{r.n} = {r.success:.1%} (95% CI {r.low:.1%}–{r.high:.1%}), "
             f"mean reward {r.reward:.3f}")
+    for name, e in (r.environments or {}).items():
+        text += (f"\n  {name}: {e['successes']}/{e['n']} = {e['success']:.1%} (95% CI {e['low']:.1%}–{e['high']:.1%}), "
+                 f"mean reward {e['reward']:.3f}")
+    return text
+
+
+def _result(trajs) -> EvalResult:
+    succ = sum(1 for t in trajs if t.success)
+    n = len(trajs)
+    lo, hi = wilson_interval(succ, n)
+    reward = float(np.mean([t.total_reward for t in trajs])) if trajs else 0.0
+    return EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward)
 
 
 @torch.no_grad()
@@ -35,7 +57,9 @@ def evaluate(trainer, tag: str) -> EvalResult:
     Sampling at ``eval.temperature`` with a fixed seed (the same tasks and seeds at every
     evaluation of a run); the global RNG state is restored afterwards, so an evaluation
     does not change what training samples next. ``tag == "during"`` uses the first
-    ``eval.during_n`` tasks when set.
+    ``eval.during_n`` tasks when set. With several environments (``tasks:``) each one is
+    evaluated on its own held-out tasks (the first ``eval.during_n`` of each), logged as
+    ``eval/<name>/success`` etc. beside the overall ``eval/success``.
     """
     res = _evaluate(trainer, tag) if trainer.is_main else None
     return dist_lib.gather_objects(res)[0]
@@ -51,20 +75,28 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     if tag == "during" and cfg.eval.during_n:
         tasks = tasks[:cfg.eval.during_n]
     agent_eval = getattr(trainer.sampler, "evaluate", None)
+    mixture = getattr(trainer, "mixture", None)  # several environments (refused with the proxy's agent)
     if agent_eval is not None:  # rollout.backend proxy: the external agent on the held-out tasks
         trajs = agent_eval(tasks, temperature=cfg.eval.temperature, seed=step_seed(cfg.train.seed, 0, 99))
     else:
         sampler = HFSampler(model, trainer.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
                             max_new_tokens=cfg.sampling.max_new_tokens, policy_version=trainer.policy_version)
         sampler.template_mismatch = cfg.rollout.template_mismatch
-        trajs = sampler.rollout(trainer.source, tasks, group_size=1, seed=step_seed(cfg.train.seed, 0, 99))
+        parts = [(None, trainer.source, tasks)] if mixture is None else \
+            mixture.heldout_parts(cfg.eval.during_n if tag == "during" else None)
+        by_env = {name: sampler.rollout(source, part, group_size=1, seed=step_seed(cfg.train.seed, 0, 99))
+                  for name, source, part in parts}
+        trajs = [t for part in by_env.values() for t in part]
     torch.set_rng_state(saved[0]); random.setstate(saved[1]); np.random.set_state(saved[2])
     model.train()
-    succ = sum(1 for t in trajs if t.success)
-    n = len(trajs)
-    lo, hi = wilson_interval(succ, n)
-    reward = float(np.mean([t.total_reward for t in trajs])) if trajs else 0.0
-    res = EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward)
-    trainer.metrics.log(trainer.step, {"eval/success": res.success, "eval/success_low": lo, "eval/success_high": hi,
-                                       "eval/reward": reward, "eval/n": n}, kind=f"eval_{tag}")
+    res = _result(trajs)
+    logged = {"eval/success": res.success, "eval/success_low": res.low, "eval/success_high": res.high,
+              "eval/reward": res.reward, "eval/n": res.n}
+    if agent_eval is None and mixture is not None:
+        res.environments = {name: {k: v for k, v in _result(part).__dict__.items() if k != "environments"}
+                            for name, part in by_env.items()}
+        for name, e in res.environments.items():
+            logged.update({f"eval/{name}/{k}": e[k] for k in ("success", "reward", "n")})
+            logged.update({f"eval/{name}/success_low": e["low"], f"eval/{name}/success_high": e["high"]})
+    trainer.metrics.log(trainer.step, logged, kind=f"eval_{tag}")
     return res

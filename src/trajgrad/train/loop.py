@@ -97,7 +97,7 @@ def eval_summary(trainer, summary: Dict, after) -> Optional[float]:
     if b is None:
         return None
     p = two_proportion_test(b.successes, b.n, after.successes, after.n)
-    summary["eval_before"] = b.__dict__
+    summary["eval_before"] = b.to_dict()
     summary["p_value"] = p
     trainer.console(f"held-out success {b.success:.1%} -> {after.success:.1%} "
                     f"(change {after.success - b.success:+.1%}, two-proportion p = {p:.3g})")

@@ -69,11 +69,9 @@ def main(
     The process that writes the run directory (rank 0 under torchrun) holds its lock until
     it ends; a second writer is refused naming the holder (:mod:`trajgrad.train.runlock`).
     """
-    from ..objective import explain
-
     locks: list = []  # rank 0's locks on the run directory (see trajgrad.train.runlock)
     try:
-        _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint, explain)
+        _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint)
     finally:
         for lock in locks:
             if lock is not None:
@@ -83,8 +81,9 @@ def main(
     return 0
 
 
-def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint, explain):
+def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint):
     """:func:`main`'s body; the run directory's locks are appended to ``locks``."""
+    from .mixture import explain_config
     from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
 
     plan = None
@@ -109,7 +108,7 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
         if _rank() == 0:  # under torchrun rank 0 owns (and locks) the run directory
             locks.append(lock_existing_run_dir(out_dir))  # a run still writing there is refused, even with --overwrite
             check_new_run_dir(out_dir, overwrite=overwrite)
-    objective_text = explain(cfg.objective())
+    objective_text = explain_config(cfg)  # with tasks: each environment's objective where they differ
     from .trainer import Trainer
 
     # every check passed: from here on the run directory is written

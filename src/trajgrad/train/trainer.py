@@ -20,6 +20,10 @@ One optimizer step (:meth:`Trainer.train_step`, then :meth:`Trainer.learn`):
    micro-batches with one global denominator (§13), so the gradient of the step equals the
    gradient of the whole batch's loss.
 
+With several environments (``tasks:``), steps 1, 2 and 5 run per environment: each one's
+share of the prompts, its own group size, its advantages on its own groups
+(:mod:`trajgrad.train.mixture`); step 6 is one update over the whole batch.
+
 Setup is in :mod:`trajgrad.train.setup`, the update steps in :mod:`trajgrad.train.updates`,
 the run's frame (preamble, cadence) in :mod:`trajgrad.train.loop`. No estimator is
 implemented here: every formula lives in the core and is called.
@@ -41,11 +45,13 @@ from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
 from . import fsdp, loop, tokenlog, updates
+from .collect import collect_groups, next_in_order, task_in_order
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .demos import build_dpo_pairs, demo_batch, pairs_for_step
 from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
+from .mixture import Mixture
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
@@ -77,7 +83,9 @@ class Trainer:
         if self.is_main:
             record_determinism(self.run_dir, self.determinism)
 
-        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg)
+        self.mixture = Mixture.build(cfg, self.objective)  # several environments (tasks:), or None
+        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg) if self.mixture is None \
+            else self.mixture.tasks()
         self.learner, self.tokenizer = build_learner(cfg, self.objective)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
@@ -147,8 +155,9 @@ class Trainer:
             "trajectory_offset": offsets[0], "trajectory_offsets": offsets, "world_size": self.world,
             "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
-            "eval_before": self.eval_before.__dict__ if self.eval_before else None,
+            "eval_before": self.eval_before.to_dict() if self.eval_before else None,
             "sft": self._sft_state,
+            "mixture": self.mixture.state_dict() if self.mixture is not None else None,
         }
         path = None
         # under FSDP the full tensors are gathered on every rank (collectives), then rank 0 writes
@@ -185,6 +194,8 @@ class Trainer:
             self.eval_before = EvalResult(**ex["eval_before"])
         self.sft_resume = ex.get("sft")
         self.resumed_from = state.path
+        if self.mixture is not None:
+            self.mixture.load_state_dict(ex.get("mixture"))
         where = f"SFT step {self.sft_resume['step']}" if self.sft_resume else f"step {self.step}"
         self.console(f"resumed from {state.path} at {where}")
         return int(ex["metrics_offset"])
@@ -192,18 +203,12 @@ class Trainer:
     # ------------------------------------------------------------------ data, evaluation, reference
     def next_tasks(self, n: int) -> list:
         """The next ``n`` training tasks: one fixed permutation per epoch, advancing the cursor."""
-        out = []
-        for _ in range(n):
-            out.append(self.task_at(self.cursor))
-            self.cursor += 1
+        out, self.cursor = next_in_order(self.train_tasks, self.cursor, n, self.cfg.task.seed)
         return out
 
     def task_at(self, index: int):
         """The training task at data position ``index`` (what :meth:`next_tasks` returns there)."""
-        N = len(self.train_tasks)
-        epoch, pos = divmod(int(index), N)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(self.cfg.task.seed * 31 + epoch)).tolist()
-        return self.train_tasks[perm[pos]]
+        return task_in_order(self.train_tasks, index, self.cfg.task.seed)
 
     def evaluate(self, tag: str) -> EvalResult:
         """Held-out success (rank 0 evaluates; the other ranks wait and receive the result)."""
@@ -237,44 +242,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollouts
     def _collect(self) -> Tuple[List[Trajectory], Dict[str, float]]:
-        """``prompts_per_step`` groups of ``G`` episodes; with dynamic sampling (§11) a group
-        whose rewards are all equal is logged as discarded and replaced, up to ``max_tries``."""
-        cfg, obj = self.cfg, self.objective
-        G, P = obj.group_size, cfg.train.prompts_per_step
-        kept: List[Trajectory] = []
-        stats = {"dynamic/discarded_groups": 0.0, "dynamic/discarded_tokens": 0.0, "dynamic/tries": 0.0,
-                 "time/generate": 0.0, "gen_tokens": 0.0, "rollout/template_mismatch": 0.0}
-        need = P
-        for attempt in range(cfg.train.dynamic_sampling_max_tries if obj.dynamic_sampling else 1):
-            tasks = dist_lib.shard(self.next_tasks(need), self.rank, self.world)
-            t0 = time.perf_counter()
-            seed = step_seed(cfg.train.seed, self.step, attempt * 1000 + self.rank)
-            with fsdp.gathered(self.model):  # ranks sample different lengths: no collective per forward
-                trajs = self.sampler.rollout(self.source, tasks, group_size=G, seed=seed) if tasks else []
-            stats["time/generate"] += time.perf_counter() - t0
-            stats["gen_tokens"] += sum(t.num_action_tokens for t in trajs)
-            stats["dynamic/tries"] += 1
-            # episodes a chat template would have re-rendered differently (ended, never trained past it)
-            stats["rollout/template_mismatch"] += sum(bool(t.metadata.get("template_mismatch")) for t in trajs)
-            for key, count in getattr(self.sampler, "step_stats", dict)().items():  # a proxy's counts
-                stats[key] = stats.get(key, 0.0) + count
-            groups: Dict[str, List[Trajectory]] = {}
-            for t in trajs:
-                groups.setdefault(t.task_id, []).append(t)
-            for members in groups.values():
-                rewards = [m.total_reward for m in members]
-                if obj.dynamic_sampling and G > 1 and max(rewards) == min(rewards):
-                    stats["dynamic/discarded_groups"] += 1
-                    stats["dynamic/discarded_tokens"] += sum(m.num_action_tokens for m in members)
-                    for m in members:
-                        m.metadata["discarded"] = "zero_variance_group"
-                    self.traj_log.extend(members)
-                    continue
-                kept.extend(members)
-            need = P - int(dist_lib.sum_over_ranks(len(kept) // G))
-            if need <= 0:
-                break
-        return kept, stats
+        """``prompts_per_step`` groups of ``G`` episodes (:func:`~trajgrad.train.collect.collect_groups`);
+        with several environments, each environment's share of them (:mod:`trajgrad.train.mixture`)."""
+        if self.mixture is not None:
+            return self.mixture.collect(self)
+        obj = self.objective
+        return collect_groups(self, self.source, self.next_tasks, obj.group_size, self.cfg.train.prompts_per_step,
+                              obj.dynamic_sampling)
 
     def _publish(self) -> None:
         """A new policy version: an external server receives the weights (documented sync step)."""
@@ -314,6 +288,8 @@ class Trainer:
         mask = batch.action_mask
         metrics = batch_facts(batch)
         metrics.update(mcp_metrics(trajs))  # tools/mcp_calls, tools/mcp_error_frac/<reason> (MCP tools only)
+        if self.mixture is not None:
+            metrics.update(self.mixture.metrics(trajs))
         turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
         metrics.update(info)
         if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
@@ -361,7 +337,8 @@ class Trainer:
             seq_r = turn_r.sum(1)
             if kl_reward:
                 seq_r = seq_r - obj.kl_in_reward(recomputed, ref_logp, mask).sum(1)
-            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids)
+            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids) if self.mixture is None \
+                else self.mixture.sequence_advantages(seq_r, batch.group_ids, trajs, metrics)
             advantages = ga.advantages.double()
             zv = ga.zero_variance
             metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
@@ -462,7 +439,7 @@ class Trainer:
         """
         if self.cfg.eval.after:
             after = self.evaluate("after")
-            summary["eval_after"] = after.__dict__
+            summary["eval_after"] = after.to_dict()
             self.console(format_eval("after", after))
             loop.eval_summary(self, summary, after)
         if self.is_main:

@@ -23,16 +23,17 @@ DEFAULT_MAX_TOKENS = 300_000
 
 
 def build_page(run_dir, *, max_episodes: int = DEFAULT_MAX_EPISODES, max_tokens: int = DEFAULT_MAX_TOKENS,
-               serve: bool = False) -> Tuple[str, RunFiles]:
-    """``(html, run)`` for a run directory (ValueError naming ``run_dir`` if it has no trajectories)."""
-    run = read_run(run_dir, max_trajectories=max_episodes)
+               serve: bool = False, environment: Optional[str] = None) -> Tuple[str, RunFiles]:
+    """``(html, run)`` for a run directory (ValueError naming ``run_dir`` if it has no trajectories);
+    ``environment``: only that environment's episodes (a run with several, ``tasks:``)."""
+    run = read_run(run_dir, max_trajectories=max_episodes, environment=environment)
     return render_html(page_data(run, max_episodes=max_episodes, max_tokens=max_tokens, serve=serve)), run
 
 
 def write_view(run_dir, out: Optional[Path] = None, *, max_episodes: int = DEFAULT_MAX_EPISODES,
-               max_tokens: int = DEFAULT_MAX_TOKENS) -> Path:
+               max_tokens: int = DEFAULT_MAX_TOKENS, environment: Optional[str] = None) -> Path:
     """Write the page (default ``RUN_DIR/view.html``) and return its path."""
-    page, _ = build_page(run_dir, max_episodes=max_episodes, max_tokens=max_tokens)
+    page, _ = build_page(run_dir, max_episodes=max_episodes, max_tokens=max_tokens, environment=environment)
     path = Path(out) if out is not None else Path(run_dir) / "view.html"
     if path.is_dir():
         raise ValueError(f"out: {str(path)!r} is a directory; give a file name such as view.html")
@@ -42,9 +43,11 @@ def write_view(run_dir, out: Optional[Path] = None, *, max_episodes: int = DEFAU
 
 
 def serve_view(run_dir, *, port: int = 8765, max_episodes: int = DEFAULT_MAX_EPISODES,
-               max_tokens: int = DEFAULT_MAX_TOKENS, max_requests: Optional[int] = None, console=print) -> None:
+               max_tokens: int = DEFAULT_MAX_TOKENS, max_requests: Optional[int] = None, console=print,
+               environment: Optional[str] = None) -> None:
     """Serve the page on ``127.0.0.1:port`` until Ctrl-C; rows without embedded detail load on demand."""
     from .server import serve
 
-    page, run = build_page(run_dir, max_episodes=max_episodes, max_tokens=max_tokens, serve=True)
+    page, run = build_page(run_dir, max_episodes=max_episodes, max_tokens=max_tokens, serve=True,
+                           environment=environment)
     serve(page, detail_lookup(run, max_episodes=max_episodes), port=port, max_requests=max_requests, console=console)

@@ -67,10 +67,10 @@ def objective_text(config: Optional[Dict[str, Any]]) -> str:
     if config is None:
         return "(no config.json in the run directory: the objective is unknown)"
     try:
-        from ..objective import explain  # trajgrad.explain.explain (objective imports it first)
         from ..train.config import build_config
+        from ..train.mixture import explain_config  # with tasks: each environment's objective where they differ
 
-        return explain(build_config(config).objective())
+        return explain_config(build_config(config))
     except Exception as exc:  # an old or foreign config: say so on the page
         return f"(the run's config does not build an objective here: {' '.join(str(exc).split())[:300]})"
 
@@ -104,6 +104,7 @@ def _row(k: int, t: Trajectory, rec: Optional[Dict[str, Any]], token_log: bool) 
         "step": step, "step_src": src, "reward": _finite(t.total_reward), "success": t.success,
         "turns": len(t.turns), "len": len(t), "act": t.num_action_tokens, "vmin": vmin, "vmax": vmax, "lag": lag,
         "status": _status(t, rec, token_log), "terminated": t.terminated, "truncated": t.truncated,
+        "env": str((t.metadata or {}).get("environment") or ""),
         "search": f"{t.episode_id} {t.task_id} {text}"[:600].lower(),
     }
 

@@ -56,19 +56,40 @@ def _trajectory_files(path: Path) -> List[Path]:
     return ([single] if single.is_file() else []) + ranks
 
 
-def _read_trajectories(files: List[Path], limit: Optional[int], notes: List[str]):
-    """The last ``limit`` trajectories (all when None) over ``files``, and the total count."""
+def _environment_of(line: bytes) -> Optional[str]:
+    """``metadata["environment"]`` of one trajectory line (a run with several environments), or None."""
+    try:
+        md = json.loads(line).get("metadata") or {}
+    except (ValueError, AttributeError):
+        return None
+    env = md.get("environment") if isinstance(md, dict) else None
+    return env if isinstance(env, str) else None
+
+
+def _read_trajectories(files: List[Path], limit: Optional[int], notes: List[str], environment: Optional[str] = None):
+    """The last ``limit`` trajectories (all when None) over ``files``, and the total count;
+    with ``environment``, only that environment's (ValueError naming ``environment`` when it
+    has none, listing the run's environments)."""
     out: List[Tuple[str, int, Trajectory]] = []
     total = 0
+    seen = set()
     for f in files:
         with open(f, "rb") as fh:
             for n, line in enumerate(fh, start=1):
                 if not line.endswith(b"\n"):
                     break  # torn last line
                 total += 1
+                if environment is not None:
+                    env = _environment_of(line)
+                    seen.add(env)
+                    if env != environment:
+                        continue
                 out.append((f.name, n, line))
                 if limit is not None and len(out) > 2 * limit:
                     out = out[-limit:]
+    if environment is not None and not out:
+        known = ", ".join(sorted(e for e in seen if e is not None)) or "none: the run has one task"
+        raise ValueError(f"environment: no trajectory of environment {environment!r} in the run (environments: {known})")
     if limit is not None:
         out = out[-limit:]
     parsed = []
@@ -98,12 +119,14 @@ def _read_config(path: Path, notes: List[str]) -> Optional[Dict[str, Any]]:
     return None
 
 
-def read_run(run_dir, *, max_trajectories: Optional[int] = None) -> RunFiles:
+def read_run(run_dir, *, max_trajectories: Optional[int] = None, environment: Optional[str] = None) -> RunFiles:
     """Read a run directory.
 
     Args:
       run_dir: the directory ``trajgrad train`` wrote.
       max_trajectories: keep only the last this many trajectories (None: all).
+      environment: keep only the trajectories of this environment (a run with several
+        environments, ``tasks:``; each trajectory's ``metadata["environment"]``).
 
     Raises:
       ValueError naming ``run_dir``: it is not a directory, or it holds no trajectory log,
@@ -118,7 +141,7 @@ def read_run(run_dir, *, max_trajectories: Optional[int] = None) -> RunFiles:
     if not files:
         raise ValueError(f"run_dir: {str(path)!r} has no trajectories.jsonl (is it a trajgrad run directory?)")
     run = RunFiles(path=path)
-    run.trajectories, run.total_trajectories = _read_trajectories(files, max_trajectories, run.notes)
+    run.trajectories, run.total_trajectories = _read_trajectories(files, max_trajectories, run.notes, environment)
     if not run.trajectories:
         raise ValueError(f"run_dir: {str(path)!r} has no trajectories yet ({', '.join(f.name for f in files)} "
                          "holds no complete line)")

@@ -1,7 +1,7 @@
 """The ``trajgrad view`` page's script (plain JavaScript, no library), inlined by the template.
 
 It reads the embedded JSON, fills the episode table (sort by any column; filter by step
-range, success, reward range, status and text), renders one trajectory's tokens coloured by a
+range, success, reward range, status, environment and text), renders one trajectory's tokens coloured by a
 channel (role, advantage, ratio, IS weight, clip / correction masks, gradient weight,
 learner-vs-sampler mismatch, log-probs, entropy) with turn boundaries, tool calls and tool
 results and the per-token values on hover, and draws the learning curves as inline SVG.
@@ -63,6 +63,13 @@ Array.from(new Set(D.rows.map((r) => r.status))).sort().forEach(function (s) {
   o.value = s; o.textContent = s;
   $("status").appendChild(o);
 });
+const ENVS = Array.from(new Set(D.rows.map((r) => r.env))).filter((e) => e !== "").sort();
+ENVS.forEach(function (e) {
+  const o = document.createElement("option");
+  o.value = e; o.textContent = e;
+  $("environment").appendChild(o);
+});
+if (!ENVS.length) $("env-filter").style.display = "none";
 function numInput(id) { const v = $(id).value.trim(); if (v === "") return null; const x = Number(v); return Number.isFinite(x) ? x : null; }
 function sortValue(r, k) {
   if (k === "versions") return r.vmin;
@@ -72,10 +79,11 @@ function sortValue(r, k) {
 function filteredRows() {
   const smin = numInput("step-min"), smax = numInput("step-max"), rmin = numInput("reward-min"), rmax = numInput("reward-max");
   const succ = $("success").value, st = $("status").value, q = $("search").value.trim().toLowerCase();
+  const env = $("environment").value;
   return D.rows.filter((r) =>
     (smin === null || (r.step !== null && r.step >= smin)) && (smax === null || (r.step !== null && r.step <= smax)) &&
     (rmin === null || (r.reward !== null && r.reward >= rmin)) && (rmax === null || (r.reward !== null && r.reward <= rmax)) &&
-    (succ === "" || String(r.success) === succ) && (st === "" || r.status === st) && (q === "" || r.search.indexOf(q) >= 0));
+    (succ === "" || String(r.success) === succ) && (st === "" || r.status === st) && (env === "" || r.env === env) && (q === "" || r.search.indexOf(q) >= 0));
 }
 const RENDER_MAX = 1000;
 function rowHtml(r) {
@@ -106,7 +114,7 @@ function renderTable() {
   });
 }
 ["step-min", "step-max", "reward-min", "reward-max", "search"].forEach((id) => $(id).addEventListener("input", renderTable));
-["success", "status"].forEach((id) => $(id).addEventListener("change", renderTable));
+["success", "status", "environment"].forEach((id) => $(id).addEventListener("change", renderTable));
 tbody.addEventListener("click", function (ev) {
   const tr = ev.target.closest("tr.ep-row");
   if (tr) openEpisode(Number(tr.dataset.i));

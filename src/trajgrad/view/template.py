@@ -80,6 +80,7 @@ _BODY = """<header>
 <label>reward <input type="number" id="reward-min" step="any" placeholder="min"> &ndash;
 <input type="number" id="reward-max" step="any" placeholder="max"></label>
 <label>status <select id="status"><option value="">any</option></select></label>
+<label id="env-filter">environment <select id="environment"><option value="">any</option></select></label>
 <label>search <input type="search" id="search" placeholder="episode, task, action text"></label>
 <span id="row-count" class="note"></span>
 </div>
