@@ -46,7 +46,7 @@ from .demos import build_dpo_pairs, demo_batch, pairs_for_step
 from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
 from ..weights import ReferenceWeights
-from .rewards import batch_facts, token_rewards, turn_rewards
+from .rewards import batch_facts, invalid_action_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
 from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
@@ -76,7 +76,7 @@ class Trainer:
         if self.is_main:
             record_determinism(self.run_dir, self.determinism)
 
-        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg)
+        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg, self.console)
         self.learner, self.tokenizer = build_learner(cfg, self.objective)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
@@ -88,7 +88,7 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
-        self.sampler = build_sampler(cfg, self.model, self.tokenizer)
+        self.sampler = build_sampler(cfg, self.model, self.tokenizer, run_dir=self.run_dir if self.is_main else None)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
@@ -303,7 +303,7 @@ class Trainer:
         cfg, obj, st = self.cfg, self.objective, self.learner
         batch = collate(list(trajs), self.pad_id)
         mask = batch.action_mask
-        metrics = batch_facts(batch)
+        metrics = {**batch_facts(batch), **invalid_action_facts(trajs)}
         turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
         metrics.update(info)
         if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
