@@ -36,6 +36,8 @@ def test_more_heldout_tasks_than_distinct_ones_is_refused_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"^eval\.n: asks for 5 held-out tasks; task 'dataset' has 3"):
         load_config(preset="tiny", overrides={**_files(tmp_path), "eval.n": 5})
     assert load_config(preset="tiny", overrides={**_files(tmp_path), "task.n_heldout": 3}).task.n_heldout == 3
+    # a run that never evaluates is not refused for its held-out count
+    load_config(preset="tiny", overrides={**_files(tmp_path), "eval.before": False, "eval.after": False})
 
 
 def test_warn_evaluates_the_distinct_tasks_and_says_how_many(tmp_path):

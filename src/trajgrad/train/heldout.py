@@ -50,8 +50,10 @@ def heldout_key(cfg) -> Tuple[str, int]:
 
 
 def heldout_problem(cfg, asked: int, distinct: int) -> Optional[str]:
-    """The refusal of ``eval.distinct: refuse`` when ``asked > distinct``, else None."""
-    if distinct >= asked or cfg.eval.distinct != "refuse":
+    """The refusal of ``eval.distinct: refuse`` when ``asked > distinct`` and the run evaluates
+    (``eval.before``, ``eval.after`` or ``eval.every``), else None."""
+    evaluates = cfg.eval.before or cfg.eval.after or cfg.eval.every > 0
+    if distinct >= asked or cfg.eval.distinct != "refuse" or not evaluates:
         return None
     many = f"{distinct} distinct held-out task" + ("s" if distinct != 1 else "")
     return (f"asks for {asked} held-out tasks; task {cfg.task.name!r} has {many} (prompt and answer after "
