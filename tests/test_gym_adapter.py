@@ -103,8 +103,12 @@ def test_turn_limit_spec_then_adapter_option_then_default():
     gym.register("trajgrad-test/Radec-v0", entry_point=f"{ME}:make_radec", max_episode_steps=3)
     src = get_task_source("gymnasium:make", id="trajgrad-test/Radec-v0")
     assert src.max_turns == 3 and "turn limit 3 (the env spec's max_episode_steps)" in src.notes[0]
-    with pytest.raises(ValueError, match=r"^max_turns: the spec of 'trajgrad-test/Radec-v0' sets max_episode_steps=3"):
+    spec_limit = r"max_turns: the spec of 'trajgrad-test/Radec-v0' sets max_episode_steps=3, the turn limit"
+    with pytest.raises(ValueError, match=r"^adapter\." + spec_limit):
         get_task_source("gymnasium:make", id="trajgrad-test/Radec-v0", adapter={"max_turns": 5})
+    with pytest.raises(ValueError, match=r"^task\.options\.adapter\." + spec_limit):
+        load_config(preset="tiny", overrides={"task.name": "gymnasium:make", "sft.steps": 0, "task.options": {
+            "id": "trajgrad-test/Radec-v0", "adapter": {"max_turns": 5}}})
 
 
 def test_a_non_text_observation_is_refused_at_load():
@@ -127,8 +131,8 @@ def test_a_run_prints_the_turn_limit_and_logs_invalid_actions(tmp_path):
                    console=lines.append)
     assert any("gymnasium environment 'Radec', turn limit 2 (task.options.adapter.max_turns)" in ln for ln in lines)
     rec = read_metrics(tmp_path / "run", kind="train")[0]
-    # a random tiny model never writes 'answer:': every turn is the environment's ValueError
-    assert rec["env/invalid_action_frac"] == 1.0 and rec["env/invalid_action/ValueError"] == 8.0  # 2 prompts x 2 samples x 2 turns
+    # a random tiny model never writes 'answer:': every turn (2 prompts x 2 samples x 2 turns) is the env's ValueError
+    assert rec["env/invalid_action_frac"] == 1.0 and rec["env/invalid_action/ValueError"] == 8.0
     turns = [json.loads(ln)["turns"] for ln in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     assert all(len(t) == 2 for t in turns)
 

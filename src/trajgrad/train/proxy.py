@@ -353,7 +353,8 @@ class ProxySampler:
         text = (out or b"").decode(errors="replace")
         if self.output_log:
             with self._log_lock, open(self.output_log, "a") as fh:
-                fh.write(f"=== session {sid} task {task.id} ({status}) ===\n{text}{'' if text.endswith(chr(10)) else chr(10)}")
+                end = "" if text.endswith("\n") else "\n"
+                fh.write(f"=== session {sid} task {task.id} ({status}) ===\n{text}{end}")
         return text
 
     def __repr__(self) -> str:

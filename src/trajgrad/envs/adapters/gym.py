@@ -137,8 +137,8 @@ class GymSource:
         self.env_name = getattr(spec, "id", None) or type(getattr(probe, "unwrapped", probe)).__name__
         spec_steps = getattr(spec, "max_episode_steps", None)
         if spec_steps is not None and max_turns is not None and max_turns != spec_steps:
-            raise ValueError(f"max_turns: the spec of {self.env_name!r} sets max_episode_steps={spec_steps}, the turn "
-                             f"limit; drop adapter.max_turns ({max_turns}) or make the environment with "
+            raise ValueError(f"adapter.max_turns: the spec of {self.env_name!r} sets max_episode_steps={spec_steps}, the "
+                             f"turn limit; drop adapter.max_turns ({max_turns}) or make the environment with "
                              f"gymnasium.make(id, max_episode_steps={max_turns})")
         if spec_steps is not None:
             self.max_turns, origin = int(spec_steps), "the env spec's max_episode_steps"
