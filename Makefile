@@ -8,7 +8,7 @@ CKSUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
 TRAIN_STAMP := $(VENV)/.installed-train-$(CKSUM)
 STAMP := $(VENV)/.installed-all-$(CKSUM)
 
-.PHONY: install install-train train test test-fast bench explain peers clean
+.PHONY: install install-train sysdeps train test test-fast bench explain peers clean
 
 $(TRAIN_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,10 +29,30 @@ install: $(STAMP)
 train: $(TRAIN_STAMP)
 	$(BIN)/trajgrad train
 
-test: $(STAMP)
+# The system packages the tests need: bubblewrap (the Python sandbox) and Chromium with its driver
+# (the `trajgrad view` browser test). Installed with apt-get when run as root, else one line with
+# the command to run, and a stop. SYSDEPS_UID and APT_GET are overridable for the Makefile's own test.
+SYSDEPS_UID ?= $(shell id -u)
+APT_GET ?= apt-get
+sysdeps:
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	[ -z "$$missing" ] && exit 0; \
+	cmd="apt-get update && apt-get install -y$$missing"; \
+	if [ "$(SYSDEPS_UID)" = 0 ] && command -v $(APT_GET) >/dev/null 2>&1; then \
+	  echo "installing the system packages the tests need:$$missing"; \
+	  { $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq$$missing; } \
+	    || { echo "sysdeps: apt-get could not install$$missing; run: $$cmd" >&2; exit 1; }; \
+	else \
+	  echo "sysdeps: the tests need the system packages$$missing; run: sudo sh -c '$$cmd'" >&2; exit 1; \
+	fi
+
+test: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
 
-test-fast: $(STAMP)
+test-fast: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow"
 
 explain: $(STAMP)

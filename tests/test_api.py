@@ -20,14 +20,15 @@ def test_train_with_a_dataset_and_reward_objects_returns_the_summary(tmp_path):
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
     import trajgrad.train.trainer  # noqa: F401  (the package stays callable once imported)
 
-    s = trajgrad.train(model="tiny", dataset=path, rewards={exact: 1.0}, recipe="rloo", overrides=FAST,
+    fast = {**FAST, "task.n_heldout": 1}  # the one held-out row of these 20 (heldout 0.1, by hash)
+    s = trajgrad.train(model="tiny", dataset=path, rewards={exact: 1.0}, recipe="rloo", overrides=fast,
                        run_dir=tmp_path / "run", console=lambda m: None)
     assert s["steps"] == 2 and s["recipe"] == "rloo" and s["run_dir"] == str(tmp_path / "run")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["task"]["reward"] == {f"{ME}:exact": 1.0} and cfg["task"]["name"] == "dataset"
     with pytest.raises(ValueError, match="^run_dir"):  # an existing run is never overwritten silently
-        trajgrad.train(model="tiny", dataset=path, rewards=[exact], overrides=FAST, run_dir=tmp_path / "run")
+        trajgrad.train(model="tiny", dataset=path, rewards=[exact], overrides=fast, run_dir=tmp_path / "run")
 
 
 def test_train_with_a_task_source_object_and_the_trainer_from_code(tmp_path):

@@ -42,6 +42,10 @@ def not_a_number(completions, **kwargs):
     return ["high"]
 
 
+def nan_after_probe(completions, **kwargs):  # the load-time probe scores "" (the answer column is absent)
+    return [0.0 if completions[0] == "" else float("nan")]
+
+
 NOT_CALLABLE = 3
 
 
@@ -148,6 +152,24 @@ def test_a_reward_that_raises_during_training_is_an_error_naming_it(tmp_path):
         env.step("boom")
 
 
+def test_a_nan_reward_mid_run_is_one_line_naming_the_function_and_the_task(tmp_path):
+    from typer.testing import CliRunner
+
+    from trajgrad.cli import app
+
+    path = _jsonl(tmp_path / "q.jsonl", [{"prompt": f"{i}+1="} for i in range(30)])
+    res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--run-dir", str(tmp_path / "run"),
+                                   "--set", f"task.dataset={path}", "--set", f"task.reward={ME}:nan_after_probe",
+                                   "--set", "sft.steps=0", "--set", "task.n_heldout=3", "--set", "eval.before=false",
+                                   "--set", "train.prompts_per_step=2", "--set", "train.group_size=2",
+                                   "--set", "sampling.max_new_tokens=4", "--set", "log.progress=false"])
+    assert res.exit_code == 1, res.output
+    err = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "Traceback" not in res.output, res.output
+    assert err[0].startswith("error: task.reward: reward function 'nan_after_probe' returned [nan]"), err
+    assert "; task 'ds-train-" in err[0] and "(prompt '" in err[0], err
+
+
 def test_one_command_dataset_and_rewards_trains(tmp_path):
     """The TRL workflow: a dataset plus reward functions, one `trajgrad train` command."""
     from typer.testing import CliRunner
@@ -158,12 +180,12 @@ def test_one_command_dataset_and_rewards_trains(tmp_path):
     args = ["train", "--preset", "tiny", "--run-dir", str(tmp_path / "run"),
             "--set", f"task.dataset={path}", "--set", f"task.reward=[{ME}:exact, {ME}:short]",
             "--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "train.group_size=2",
-            "--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "task.n_heldout=4",
+            "--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "task.n_heldout=3",
             "--set", "sampling.max_new_tokens=4", "--set", "log.progress=false", "--set", "checkpoint.every=0"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["eval_after"]["n"] == 4
+    assert summary["steps"] == 2 and summary["eval_after"]["n"] == 3  # the 3 distinct held-out rows
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/mean" in l for l in lines)
 

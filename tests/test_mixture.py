@@ -91,7 +91,7 @@ def test_advantages_are_computed_within_each_environment_by_its_own_objective():
 
 # ----------------------------------------------------------------------------- config
 def _tiny(**over):
-    base = {"sft.steps": 0, "train.prompts_per_step": 3}
+    base = {"sft.steps": 0, "train.prompts_per_step": 3, "eval.distinct": "warn"}
     return load_config(preset="tiny", overrides={**base, **over})
 
 
@@ -100,7 +100,7 @@ TWO = [{"name": "calc", "source": "calculator"}, {"name": "guess"}]
 
 def test_task_and_tasks_together_are_refused_naming_both(tmp_path):
     p = tmp_path / "both.yaml"
-    p.write_text("preset: tiny\nsft: {steps: 0}\ntask: {name: guess}\ntasks:\n  - {name: calc, source: calculator}\n")
+    p.write_text("preset: tiny\nsft: {steps: 0}\neval: {distinct: warn}\ntask: {name: guess}\ntasks:\n  - {name: calc, source: calculator}\n")
     with pytest.raises(ValueError, match=r"^task, tasks: both given"):
         load_config(p)
     with pytest.raises(ValueError, match=r"^task, tasks: both given"):
@@ -143,7 +143,7 @@ def test_every_per_environment_key_is_checked_at_load_time(tasks, extra, match):
 
 def test_explain_prints_each_environments_objective_where_they_differ(tmp_path):
     p = tmp_path / "mix.yaml"
-    p.write_text("preset: tiny\nsft: {steps: 0}\ntrain: {prompts_per_step: 3}\ntasks:\n"
+    p.write_text("preset: tiny\nsft: {steps: 0}\neval: {distinct: warn}\ntrain: {prompts_per_step: 3}\ntasks:\n"
                  "  - {name: calc, source: calculator, weight: 2}\n"
                  "  - {name: guess, group_size: 3, advantage: {advantage: group_center}}\n")
     cfg = load_config(p)

@@ -125,7 +125,24 @@ def build_config(*, model: Optional[str] = None, env: Any = None, dataset: Optio
         raise ValueError(f"overrides: {clash[0]} is given both as a whole and by its keys")
     if config is None and preset is None:
         preset = "tiny" if str(model) == "tiny" else None
+    sets.update({k: v for k, v in _own_task_defaults(env, dataset, config, overrides).items() if k not in sets})
     return load_config(config, preset=preset, overrides=sets)
+
+
+def _own_task_defaults(env: Any, dataset: Any, config: Any, overrides: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What a preset sets for its own task and a user's task does not inherit (printed by
+    :func:`train`): its SFT warm start (demonstrations of the preset's task; an ``env``
+    given here has its own, or none) and its held-out count (``eval.distinct: warn``: the
+    user's task is evaluated on its distinct tasks, at most that many)."""
+    if config is not None or (env is None and dataset is None):
+        return {}
+    given = set(overrides or {})
+    out: Dict[str, Any] = {}
+    if env is not None and not given & {"sft", "sft.steps"}:
+        out["sft.steps"] = 0
+    if not given & {"eval", "eval.n", "eval.distinct", "task", "task.n_heldout"}:
+        out["eval.distinct"] = "warn"
+    return out
 
 
 def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Union[str, Path]] = None,
@@ -165,6 +182,8 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
     check_new_run_dir(out, overwrite=overwrite)
     say = console or print
     new_dir = create_run_dir(out, cfg, overwrite=overwrite)
+    for key, value in _own_task_defaults(env, dataset, config, overrides).items():
+        say(f"{key}: {value} (not set: a preset's value is for its own task; overrides={{{key!r}: ...}} sets it)")
     say(f"run directory: {out}")
     say("objective optimized by every update of this run:\n" + explain_config(cfg))
     try:

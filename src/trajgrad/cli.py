@@ -24,10 +24,10 @@ def _parse_sets(sets: Optional[List[str]]) -> dict:
     return parse_overrides(sets)
 
 
-def _fail(exc: BaseException) -> None:
-    """Print ``error: <one line>`` to stderr and exit with status 2 (no traceback)."""
+def _fail(exc: BaseException, code: int = 2) -> None:
+    """Print ``error: <one line>`` to stderr and exit with status ``code`` (no traceback)."""
     typer.echo("error: " + " ".join(str(exc).split()), err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -166,6 +166,7 @@ def train(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Asynchronous runs: join this Ray cluster."),
 ) -> None:
     """Train an agent (the embedded default: SmolLM2-135M + LoRA, calculator tool, GRPO)."""
+    from .envs.base import TaskError
     from .train.run import main as train_main
 
     try:
@@ -180,6 +181,8 @@ def train(
         _fail(exc)
     except OSError as exc:  # a file system refusal (permissions, full disk, ...): one line, no traceback
         _fail(ValueError(f"{getattr(exc, 'filename', None) or 'run_dir'}: {exc.strerror or exc}"))
+    except TaskError as exc:  # the user's task code failed mid-run (a reward function, ...): one line
+        _fail(exc, 1)
     raise typer.Exit(code or 0)
 
 
@@ -198,7 +201,8 @@ def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.
 
 @app.command()
 def serve(
-    model: str = typer.Option("tiny", "--model", help="tiny (random test model) or smollm2 (SmolLM2-135M-Instruct)."),
+    model: str = typer.Option("tiny", "--model", help="tiny (random test model), smollm2 (SmolLM2-135M-Instruct), "
+                              "or a Hugging Face checkpoint directory / cached hub id (loaded as model.path is)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind. No authentication: keep it on loopback."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 parameters (head in float32)."),

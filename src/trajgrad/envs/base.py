@@ -42,6 +42,7 @@ __all__ = [
     "Message",
     "Task",
     "StepResult",
+    "TaskError",
     "Environment",
     "TaskSource",
     "register_task_source",
@@ -52,6 +53,11 @@ __all__ = [
 ]
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+
+class TaskError(RuntimeError):
+    """A user's task code (e.g. a reward function) failed during a run. The message is one
+    line naming the code and the task; ``trajgrad train`` prints it without a traceback."""
 
 
 @dataclass(frozen=True)

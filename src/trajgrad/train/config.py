@@ -209,6 +209,9 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.0, ge=0)
     before: bool = True
     after: bool = True
+    distinct: Literal["refuse", "warn"] = Field(
+        "refuse", description="when more held-out tasks are asked for than the task has distinct prompts (after "
+        "rendering): refuse at load, or warn and evaluate only the distinct ones")
 
 
 class CriticConfig(_Strict):

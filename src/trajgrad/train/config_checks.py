@@ -9,7 +9,9 @@ Everything here runs before any model is built, and every error names its dotted
   loaded or downloaded), the task's options (validated by the task source itself, with
   strict types taken from its options dataclass), the environment latency spec, and whether
   the task can provide
-  ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks.
+  ``task.n_train`` training and ``eval.n`` / ``task.n_heldout`` held-out tasks (distinct
+  ones, :mod:`trajgrad.train.heldout`) and the demonstrations SFT and DPO need
+  (:mod:`trajgrad.train.task_checks`).
 * :func:`check_effective` (configs given by a user: YAML file and ``--set``): a key the
   user set to a non-default value that has no effect in the chosen mode is refused
   (``asynchronous.workers`` without ``asynchronous.enabled``, ``recipe.overrides.beta``
@@ -26,6 +28,8 @@ import typing
 from typing import Any, Dict, Iterable, List, Optional
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from .task_checks import check_demonstrations, check_heldout
 
 __all__ = ["check_config", "check_effective", "user_keys"]
 
@@ -351,6 +355,10 @@ def _check_task(cfg, errors: _Errors) -> None:
         return
     if ":" in name and cfg.rollout.backend != "proxy":  # the proxy's agent is the environment
         # a user's environment (tools, schemas, adapters) is built once now, not first at run time
+        if not callable(getattr(source, "make_env", None)):
+            errors.add("task.name", f"{name!r} gives tasks() but no make_env(): only rollout.backend 'proxy' (where "
+                       "the agent is the environment) runs a task list without environments")
+            return
         try:
             source.make_env()
         except Exception as exc:
@@ -359,12 +367,19 @@ def _check_task(cfg, errors: _Errors) -> None:
             return
     need = (("train", cfg.task.n_train, "task.n_train"),
             ("heldout", cfg.eval.n or cfg.task.n_heldout, "eval.n" if cfg.eval.n else "task.n_heldout"))
+    short = False
     for split, n, key in need:
         cap = _calculator_capacity(source, split)
         if cap is not None and n > abs(cap):
             many = f"about {-cap}" if cap < 0 else f"{cap}"
+            short = short or split == "heldout"
             errors.add(key, f"asks for {n} {split.replace('heldout', 'held-out')} tasks; task {name!r} with these "
                        f"options has {many} distinct ones")
+    try:
+        for key, msg in check_demonstrations(cfg, source) + ([] if short else check_heldout(cfg, source)):
+            errors.add(key, _one_line(msg))
+    except Exception as exc:  # a user's environment failing in its own way while rendering a task
+        errors.add("task.name", f"rendering the tasks of {name!r} raised {type(exc).__name__}: {_one_line(exc)}")
     lat = cfg.asynchronous.env_latency
     if lat is not None:
         from ..envs.latency import with_latency
@@ -388,8 +403,8 @@ def _check_tasks(cfg, obj, errors: _Errors) -> None:
     for i, entry in enumerate(cfg.tasks):
         prefix = f"tasks[{i}]"
         sub = _Errors()
-        _check_task(SimpleNamespace(task=entry.task_config(), eval=cfg.eval, rollout=cfg.rollout,
-                                    asynchronous=cfg.asynchronous), sub)
+        _check_task(SimpleNamespace(task=entry.task_config(), eval=cfg.eval, rollout=cfg.rollout, sft=cfg.sft,
+                                    objective=cfg.objective, asynchronous=cfg.asynchronous), sub)
         for item in sub.items:
             key, _, msg = item.partition(": ")
             if key == "task.name":

@@ -41,6 +41,7 @@ from ..baselines import GroupAdvantages
 from ..objective import Objective
 from ..registry import ADVANTAGE_ESTIMATORS
 from .collect import STAT_KEYS, collect_groups, next_in_order
+from .heldout import distinct_tasks, heldout_problem
 from .seeding import step_seed
 
 __all__ = ["split_counts", "advantage_fields", "environment_objective", "Member", "Mixture", "explain_config",
@@ -151,13 +152,17 @@ class Mixture:
         from ..envs import get_task_source
 
         members = []
-        for entry in cfg.tasks:
+        for i, entry in enumerate(cfg.tasks):
             t = entry.task_config()
             source = get_task_source(t.name, **t.options)
             n_heldout = cfg.eval.n or t.n_heldout
+            heldout = distinct_tasks(source, source.tasks("heldout", n_heldout, t.seed))  # each distinct task once
+            problem = heldout_problem(cfg, n_heldout, len(heldout))
+            if problem is not None:
+                raise ValueError(f"{'eval.n' if cfg.eval.n else f'tasks[{i}].n_heldout'}: {problem}")
             members.append(Member(
                 name=entry.name, weight=entry.weight, source=source, train=source.tasks("train", t.n_train, t.seed),
-                heldout=source.tasks("heldout", n_heldout, t.seed), task_seed=t.seed,
+                heldout=heldout, task_seed=t.seed,
                 objective=environment_objective(objective, entry.group_size, entry.advantage)))
         return cls(members, cfg.train.seed)
 

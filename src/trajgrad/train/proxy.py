@@ -35,6 +35,9 @@ whose client rewrote its history, or whose chat template re-rendered it differen
 call that asks for others with 400 naming the field.
 
 The counts are in :attr:`ProxySampler.counters` (cumulative) and :meth:`ProxySampler.step_stats`.
+A shell agent's output (stdout and stderr) is kept in the run directory's ``agent_output.log``,
+one block per episode; the first agent that exits non-zero or without reporting a reward is
+also printed with the end of its output.
 """
 from __future__ import annotations
 
@@ -114,12 +117,16 @@ class ProxySampler:
       model_name: the id the server reports (``TRAJGRAD_MODEL``).
       accept_any_model: answer calls naming any model (agents often hard-code a model name).
       console: where warnings (an agent that fails) are printed.
+      output_log: a file that keeps every shell-command episode's output (stdout and stderr,
+        after a header naming the session, the task and the exit status); a run writes
+        ``agent_output.log`` in its directory. None: kept only to show on a failure.
     """
 
     def __init__(self, model, tokenizer, *, agent: str, temperature: float, top_k: Optional[int],
                  top_p: Optional[float], max_new_tokens: int, policy_version: int = 0,
                  reward_timeout_s: float = 300.0, concurrency: int = 8, model_name: str = "trajgrad-policy",
-                 accept_any_model: bool = True, console: Callable[[str], None] = print):
+                 accept_any_model: bool = True, console: Callable[[str], None] = print,
+                 output_log: Optional[str] = None):
         from ..serve import create_app
         from ..serve.sessions import Sessions
 
@@ -139,6 +146,7 @@ class ProxySampler:
         self.model_name = model_name
         self.accept_any_model = accept_any_model
         self.console = console
+        self.output_log, self._log_lock = output_log, threading.Lock()
         self.template_mismatch = "truncate"  # divergences are always counted and never trained
         was_training = model.training
         self.sessions = Sessions(tokenizer, end_of_turn_id(tokenizer), strict=True)
@@ -333,13 +341,26 @@ class ProxySampler:
                 os.killpg(proc.pid, signal.SIGKILL)  # the agent's own process group
             except ProcessLookupError:
                 pass
-            proc.communicate()
+            out, _ = proc.communicate()
+            self._keep_output(sid, task, "killed at rollout.proxy.reward_timeout_s", out)
             return "ok"
+        text = self._keep_output(sid, task, f"exit status {proc.returncode}", out)
+        where = f" (all its output: {self.output_log})" if self.output_log else ""
         if proc.returncode != 0:
-            tail = out.decode(errors="replace")[-500:].strip()
-            self._warn(f"`{self.agent}` exited with status {proc.returncode}: {tail}")
+            self._warn(f"`{self.agent}` exited with status {proc.returncode}: {text[-500:].strip()}{where}")
             return "agent_error"
+        if self.sessions.get(sid).status == "open":  # ended without a reward: counted as empty
+            self._warn(f"`{self.agent}` exited without reporting a reward: {text[-500:].strip()}{where}")
         return "ok"
+
+    def _keep_output(self, sid: str, task, status: str, out: Optional[bytes]) -> str:
+        """The agent's output as text, appended to :attr:`output_log` under a header line."""
+        text = (out or b"").decode(errors="replace")
+        if self.output_log:
+            with self._log_lock, open(self.output_log, "a") as fh:
+                end = "" if text.endswith("\n") else "\n"
+                fh.write(f"=== session {sid} task {task.id} ({status}) ===\n{text}{end}")
+        return text
 
     def __repr__(self) -> str:
         return f"ProxySampler(agent={shlex.quote(self.agent)}, url={self.server.url if self.server else None})"
@@ -365,10 +386,12 @@ def check_proxy_config(cfg, add: Callable[[str, str], None]) -> None:
                                               "sampled at sampling.temperature)")
 
 
-def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0) -> ProxySampler:
-    """The :class:`ProxySampler` of a run (``rollout.proxy.*``, ``sampling.*``)."""
+def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0, run_dir=None) -> ProxySampler:
+    """The :class:`ProxySampler` of a run (``rollout.proxy.*``, ``sampling.*``); the agent's
+    output is kept in ``run_dir/agent_output.log``."""
     s, p = cfg.sampling, cfg.rollout.proxy
     name = cfg.model.path if cfg.model.path is not None else f"trajgrad-{cfg.model.name}"
     return ProxySampler(model, tokenizer, agent=p.agent, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, policy_version=policy_version,
-                        reward_timeout_s=p.reward_timeout_s, concurrency=p.concurrency, model_name=name)
+                        reward_timeout_s=p.reward_timeout_s, concurrency=p.concurrency, model_name=name,
+                        output_log=None if run_dir is None else os.path.join(str(run_dir), "agent_output.log"))

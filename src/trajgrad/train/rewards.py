@@ -1,7 +1,7 @@
 """Rewards of a collated batch before any estimator: shaping, the constraint penalty, logged facts."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -17,6 +17,21 @@ def batch_facts(batch: RolloutBatch) -> Dict[str, float]:
             "len/action_tokens": float(mask.sum(1).float().mean()),
             "len/turns": float(batch.turn_mask.sum(1).float().mean()),
             "len/cut_episodes": float(batch.truncated.float().mean())}
+
+
+def invalid_action_facts(trajs: Sequence) -> Dict[str, float]:
+    """``env/invalid_action_frac``: the fraction of turns whose ``info["invalid_action"]`` names
+    a reason (an action the environment refused, e.g. the gymnasium adapter's), and
+    ``env/invalid_action/<reason>``: their count by reason."""
+    turns, out = 0, {}
+    for t in trajs:
+        for turn in t.turns:
+            turns += 1
+            reason = turn.info.get("invalid_action")
+            if reason:
+                key = f"env/invalid_action/{reason if isinstance(reason, str) else 'invalid_action'}"
+                out[key] = out.get(key, 0.0) + 1.0
+    return {"env/invalid_action_frac": sum(out.values()) / max(turns, 1), **out}
 
 
 def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=None) -> Tuple[torch.Tensor, Dict[str, float]]:

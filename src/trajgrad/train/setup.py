@@ -15,6 +15,7 @@ from ..losses import LagrangeMultiplier
 from ..objective import Objective
 from ..rollout import HFSampler
 from .config import Config
+from .heldout import heldout_key, select_heldout
 from ..model.build import build_policy_model
 from ..model.parts import causal_parts
 from ..model.value_head import CriticModel, ValueHead
@@ -22,13 +23,18 @@ from ..weights import ReferenceModel
 from .updates import LearnerState
 
 
-def build_tasks(cfg: Config):
-    """(task source, training tasks, held-out tasks)."""
+def build_tasks(cfg: Config, console: Callable[[str], None] = lambda _m: None):
+    """(task source, training tasks, held-out tasks): the held-out ones distinct
+    (:func:`~trajgrad.train.heldout.select_heldout`); ``console`` gets the source's notes
+    (e.g. an adapter's turn limit) and the held-out count."""
     from ..envs import get_task_source
 
     source = get_task_source(cfg.task.name, **cfg.task.options)
     train = source.tasks("train", cfg.task.n_train, cfg.task.seed)
-    heldout = source.tasks("heldout", cfg.eval.n or cfg.task.n_heldout, cfg.task.seed)
+    heldout, line = select_heldout(cfg, source, source.tasks("heldout", heldout_key(cfg)[1], cfg.task.seed))
+    for note in getattr(source, "notes", ()):
+        console(note)
+    console(line)
     return source, train, heldout
 
 
@@ -138,17 +144,18 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     return teacher
 
 
-def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
+def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_dir=None):
     """The rollout backend: the in-process :class:`HFSampler`, or an OpenAI-compatible server.
 
     Either renders conversations with the model's chat template; ``rollout.template_mismatch``
-    says what a template that re-renders the history differently does.
+    says what a template that re-renders the history differently does. A proxy agent's
+    output is kept in ``run_dir`` (:func:`~trajgrad.train.proxy.build_proxy_sampler`).
     """
     s = cfg.sampling
     if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.train.proxy)
         from .proxy import build_proxy_sampler
 
-        return build_proxy_sampler(cfg, model, tokenizer, policy_version)
+        return build_proxy_sampler(cfg, model, tokenizer, policy_version, run_dir=run_dir)
     if cfg.rollout.backend == "openai":
         from ..rollout.openai_backend import OpenAISampler
 

@@ -53,7 +53,7 @@ from .evaluation import EvalResult, evaluate, format_eval
 from .metrics import MetricsLogger
 from .mixture import Mixture
 from ..weights import ReferenceWeights
-from .rewards import batch_facts, token_rewards, turn_rewards
+from .rewards import batch_facts, invalid_action_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
 from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
@@ -84,7 +84,7 @@ class Trainer:
             record_determinism(self.run_dir, self.determinism)
 
         self.mixture = Mixture.build(cfg, self.objective)  # several environments (tasks:), or None
-        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg) if self.mixture is None \
+        self.source, self.train_tasks, self.heldout_tasks = build_tasks(cfg, self.console) if self.mixture is None \
             else self.mixture.tasks()
         self.learner, self.tokenizer = build_learner(cfg, self.objective)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -97,7 +97,7 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
-        self.sampler = build_sampler(cfg, self.model, self.tokenizer)
+        self.sampler = build_sampler(cfg, self.model, self.tokenizer, run_dir=self.run_dir if self.is_main else None)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
@@ -286,7 +286,7 @@ class Trainer:
         cfg, obj, st = self.cfg, self.objective, self.learner
         batch = collate(list(trajs), self.pad_id)
         mask = batch.action_mask
-        metrics = batch_facts(batch)
+        metrics = {**batch_facts(batch), **invalid_action_facts(trajs)}
         metrics.update(mcp_metrics(trajs))  # tools/mcp_calls, tools/mcp_error_frac/<reason> (MCP tools only)
         if self.mixture is not None:
             metrics.update(self.mixture.metrics(trajs))

@@ -5,7 +5,9 @@
   ``Taskset``): its tasks' prompts, scored by its rubric (the tasks' ``@vf.reward`` functions).
 * :mod:`.openenv` - an OpenEnv environment served over HTTP (a WebSocket session per episode).
 
-:func:`as_task_source` picks the adapter for an object a ``task.name`` factory returned;
+:func:`as_task_source` picks the adapter for an object a ``task.name`` factory returned (an
+object with ``tasks(split, n, seed)`` alone is a task list: enough for ``rollout.backend:
+proxy``, where the agent is the environment);
 each adapter module imports its library only when used.
 """
 from __future__ import annotations
@@ -52,6 +54,11 @@ def as_task_source(obj: Any, *, remake: Optional[Callable[[], Any]] = None, **op
         from .verifiers import VerifiersSource
 
         return VerifiersSource(obj, **options)
+    if callable(getattr(obj, "tasks", None)):  # tasks only: enough where the agent is the environment (proxy)
+        if options:
+            raise ValueError(f"adapter: {type(obj).__name__} is a task list; adapter options {sorted(options)} "
+                             "have no effect")
+        return obj
     raise ValueError(f"name: the factory returned a {type(obj).__name__} (module {type(obj).__module__}); "
-                     "expected a task source (with tasks() and make_env()), a gymnasium.Env, "
-                     "a verifiers Env or Taskset")
+                     "expected a task source (with tasks(), and make_env() unless rollout.backend is 'proxy'), "
+                     "a gymnasium.Env, a verifiers Env or Taskset")

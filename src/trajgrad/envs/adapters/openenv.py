@@ -134,6 +134,7 @@ class OpenEnvSource:
 
     name = "openenv"
     options_class = OpenEnvConfig
+    renders_remotely = True  # reset() opens a server session: held-out tasks are told apart by seed
 
     def __init__(self, **kwargs: Any) -> None:
         self.config = OpenEnvConfig(**kwargs)
