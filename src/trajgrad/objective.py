@@ -302,12 +302,15 @@ class Objective:
 
         A field that the resulting recipe does not read (for example ``tau_pos`` on a PPO
         recipe) can only be set to its default: anything else would be printed but never
-        optimized, so it raises ``ValueError`` naming the field.
+        optimized, so it raises ``ValueError`` naming the field. ``kl_placement="none"``
+        removes the KL term: ``kl_coef`` becomes 0 unless given.
         """
         names = {f.name: f for f in dataclasses.fields(self)}
         unknown = set(changes) - set(names)
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not a field of Objective")
+        if changes.get("kl_placement") == "none" and "kl_coef" not in changes:
+            changes = {**changes, "kl_coef": 0.0}
         new = dataclasses.replace(self, **changes)
         read = set(new.read_fields())
         for k, v in changes.items():

@@ -452,7 +452,7 @@ def load_config(
         recipe_before = (data.get("recipe") or {}).get("name")
         data = _fresh_task_options(data, loaded.get("task"))
         data = _deep_update(data, loaded)
-        if not named:
+        if not named and "name" in data:
             data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     # a preset's name ends with its recipe ("tiny-calculator-grpo"); changing the recipe
     # (`--set recipe.name=ppo`, or in the YAML file) renames the run unless a name was given
@@ -462,7 +462,7 @@ def load_config(
             data = _fresh_task_options(data, {"name": value})
         _set_dotted(data, key, value)
         keys += user_keys(value, key)
-    if not named and "name" not in (overrides or {}):
+    if not named and "name" not in (overrides or {}) and "name" in data:
         data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     cfg = build_config(data)
     check_effective(cfg, keys)

@@ -68,6 +68,7 @@ def main(
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
     """
     from ..objective import explain
+    from .config_sources import recipe_defaults_line
     from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir
 
     plan = None
@@ -105,6 +106,7 @@ def main(
     _console("objective optimized by every update of this run:\n")
     _console(objective_text)
     _console("")
+    _console(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
             from .asynchronous import AsyncTrainer
