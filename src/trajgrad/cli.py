@@ -1,4 +1,4 @@
-"""The ``trajgrad`` command line: train | explain | verify | example | plot | serve | view."""
+"""The ``trajgrad`` command line: train | config | doctor | explain | verify | example | plot | serve | view."""
 from __future__ import annotations
 
 import os
@@ -177,6 +177,34 @@ def train(
     except OSError as exc:  # a file system refusal (permissions, full disk, ...): one line, no traceback
         _fail(ValueError(f"{getattr(exc, 'filename', None) or 'run_dir'}: {exc.strerror or exc}"))
     raise typer.Exit(code or 0)
+
+
+@app.command()
+def config(
+    config_file: Optional[Path] = typer.Argument(None, metavar="CONFIG", help="YAML config (omit: the default preset)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Named preset (default, tiny, ...)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
+    schema: bool = typer.Option(False, "--schema", help="Print the JSON Schema of a config."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the configuration reference (docs/config.md)."),
+) -> None:
+    """Print the resolved config with where each value came from (default, preset, file, --set)."""
+    from .train import config_reference, config_sources
+
+    try:
+        if schema or markdown:
+            if schema and markdown:
+                raise ValueError("--schema: give one of --schema and --markdown")
+            if config_file is not None or preset is not None or set_:
+                raise ValueError("--schema: documents every key; it takes no CONFIG, --preset or --set")
+            import json
+
+            typer.echo(json.dumps(config_reference.json_schema(), indent=2) if schema else config_reference.markdown(),
+                       nl=not markdown)
+            return
+        _, rows = config_sources.config_sources(config_file, preset=preset, overrides=_parse_sets(set_))
+        typer.echo(config_sources.format_sources(rows))
+    except ValueError as exc:
+        _fail(exc)
 
 
 @app.command()

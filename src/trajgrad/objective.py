@@ -92,8 +92,10 @@ class Objective:
       tau_pos, tau_neg: SAPO temperatures (§18).
       ratio_gradient: SAO's ``"detached"`` or ``"attached"`` ratio (§20.2).
       beta: DPO's β (§10).
-      kl_coef, kl_placement, kl_kind: KL to the reference policy (§9): in the reward (per
-        token, ``r_t - kl_coef * k``) or as a loss term (``+ kl_coef * aggregate(k)``).
+      kl_coef, kl_placement, kl_kind: KL to the reference policy (§9): ``"none"`` (no KL
+        term, ``kl_coef`` 0), in the ``"reward"`` (per token, ``r_t - kl_coef * k``) or as a
+        ``"loss"`` term (``+ kl_coef * aggregate(k)``); ``kl_kind`` the estimator k of
+        :data:`KL_KINDS`. Setting ``kl_placement`` to ``"none"`` sets ``kl_coef`` to 0.
       gamma, lam: discount and GAE λ (critic recipes).
       std_eps: ε in ``(R - mean)/(std + ε)``.
       group_size: rollouts per prompt (1 for single-rollout methods).
