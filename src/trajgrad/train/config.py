@@ -187,7 +187,8 @@ class LoopConfig(_Strict):
                                  "with equal rewards; for single-rollout and critic recipes, equal rewards over the "
                                  "batch) after which a warning is printed and signal/no_signal_warning logged")
     stop_on_no_signal: bool = Field(False, description="end the run after train.no_signal_steps steps without a "
-                                    "learning signal, with that message, instead of only warning")
+                                    "learning signal, with that message (checkpoint, evaluation after, summary.json "
+                                    "'stopped'; trajgrad train exits with status 3), instead of only warning")
     old_logp: Literal["auto", "recompute", "behaviour"] = Field(
         "auto", description="auto: a single on-policy epoch uses the update pass's own detached log-probs "
         "(identical to a recompute); recompute: a separate no-grad pass; behaviour: the sampler's records")

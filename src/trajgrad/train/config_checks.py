@@ -489,6 +489,12 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("train.skip_zero_gradient_rows", obj.kind != "token" or not obj.zero_without_advantage,
          f"has no effect: recipe {obj.name!r} has a term that does not vanish with the advantage "
          "(or no token-level policy loss)", ()),
+        ("train.no_signal_steps", obj.kind != "token", f"has no effect: recipe {obj.name!r} takes no reward signal",
+         ()),
+        ("train.stop_on_no_signal", obj.kind != "token", f"has no effect: recipe {obj.name!r} takes no reward signal",
+         ()),
+        ("train.stop_on_no_signal", cfg.asynchronous.enabled, "is not supported by asynchronous runs (they warn and "
+         "log signal/no_signal_warning only)", ()),
         ("train.dynamic_sampling_max_tries", not obj.dynamic_sampling,
          f"has no effect: recipe {obj.name!r} has no dynamic sampling", ()),
     ]

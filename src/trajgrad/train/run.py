@@ -66,6 +66,7 @@ def main(
     non-empty ``run_dir`` unless ``overwrite``; a resume (``resume``: the run directory) refuses
     a config that differs from the run's unless ``allow_config_change``, and resumes from
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
+    Returns 0, or 3 when ``train.stop_on_no_signal`` ended the run early (:mod:`trajgrad.train.signal`).
     """
     from ..objective import explain
     from .config_sources import recipe_defaults_line
@@ -121,9 +122,12 @@ def main(
     if new_dir is not None:
         new_dir.keep()
     t0 = time.perf_counter()
-    trainer.run()
+    result = trainer.run()
+    stopped = result.get("stopped") if isinstance(result, dict) else None
+    if stopped:
+        _console(f"the run ended at step {result.get('steps')} of {cfg.train.steps}: {stopped}")
     _console(f"done in {time.perf_counter() - t0:.0f} s; metrics: {out_dir / 'metrics.jsonl'}; "
              f"plots: trajgrad plot {out_dir}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        end_distributed_worker(0)  # one of several processes (torchrun): see end_distributed_worker
-    return 0
+        end_distributed_worker(3 if stopped else 0)  # one of several processes (torchrun): see end_distributed_worker
+    return 3 if stopped else 0

@@ -51,6 +51,7 @@ from .rundir import record_determinism
 from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
+from .signal import NoSignalWatch, signal_facts
 
 __all__ = ["Trainer", "EvalResult", "seed_everything"]
 
@@ -88,6 +89,9 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
+        # consecutive steps without a learning signal: warned, logged, or the run ends (train.signal)
+        self.signal_watch = NoSignalWatch(self.objective, cfg.train.no_signal_steps, cfg.train.stop_on_no_signal)
+        self.stop_reason: Optional[str] = None
         self.sampler = build_sampler(cfg, self.model, self.tokenizer)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
@@ -290,6 +294,7 @@ class Trainer:
         self.traj_log.extend(trajs)
         if dist_lib.min_over_ranks(len(trajs)) == 0:  # every rank must take part in the update, or none
             metrics["skipped"] = 1.0
+            metrics.update(signal_facts(self.objective, trajs))  # nothing to train on: no signal
             return dist_lib.mean_metrics_over_ranks(metrics)
         metrics.update(self.learn(trajs))
         dt = time.perf_counter() - t_step
@@ -304,6 +309,7 @@ class Trainer:
         batch = collate(list(trajs), self.pad_id)
         mask = batch.action_mask
         metrics = batch_facts(batch)
+        metrics.update(signal_facts(obj, trajs))
         turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
         metrics.update(info)
         if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
@@ -435,10 +441,11 @@ class Trainer:
         """Preamble (evaluation, SFT warm start, pi_ref), ``train.steps`` steps, :meth:`finish`."""
         loop.preamble(self, self.save)
         bar = loop.progress_bar(self, self.cfg.train.steps, f"{self.objective.name}", initial=self.step)
-        while self.step < self.cfg.train.steps:
+        while self.step < self.cfg.train.steps and self.stop_reason is None:
             loop.end_of_step(self, self.train_step(), self.save, bar)
         bar.close()
-        return self.finish({"steps": self.step, "recipe": self.objective.name})
+        summary = {"steps": self.step, "recipe": self.objective.name}
+        return self.finish({**summary, "stopped": self.stop_reason} if self.stop_reason else summary)
 
     def finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Held-out evaluation after training, before/after comparison, ``summary.json``.
