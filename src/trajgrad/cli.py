@@ -208,6 +208,32 @@ def config(
 
 
 @app.command()
+def doctor(
+    config_file: Optional[Path] = typer.Argument(None, metavar="CONFIG", help="YAML config (omit: the default preset)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Named preset (default, tiny, ...)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
+    groups: int = typer.Option(16, "--groups", help="Groups (prompts) to sample at the recipe's group size."),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Time budget from the start (default "
+                                                "120 for the tiny model, 300 otherwise)."),
+    no_sft: bool = typer.Option(False, "--no-sft", help="Sample the policy before the configured SFT warm start."),
+) -> None:
+    """Will this run learn? Sample the base policy as training would; the recipe's signal, a verdict, advice.
+
+    Exit status: 0 for ok (or n/a), 1 for a weak signal or none, 2 for a bad config."""
+    from .train.doctor import doctor as doctor_fn
+    from .train.doctor_report import format_report
+
+    try:
+        facts = doctor_fn(config_file, preset=preset, overrides=_parse_sets(set_), groups=groups,
+                          max_seconds=max_seconds, sft=not no_sft, console=lambda m: typer.echo(m, err=True))
+    except ValueError as exc:
+        _fail(exc)
+    text, verdict = format_report(facts)
+    typer.echo(text)
+    raise typer.Exit(1 if verdict in ("no signal", "weak signal") else 0)
+
+
+@app.command()
 def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.jsonl.")) -> None:
     """Write PNG learning curves of a run."""
     from .train.plot import plot_run
