@@ -70,3 +70,10 @@ def test_a_reward_that_differs_has_signal(tmp_path):
 def test_mixed_probability():
     assert mixed_probability(0.0, 8) == 0.0 and mixed_probability(1.0, 8) == 0.0
     assert abs(mixed_probability(0.5, 2) - 0.5) < 1e-12
+
+
+def test_the_time_budget_stops_sampling_between_batches(tmp_path):
+    f = doctor(preset="tiny", groups=8, max_seconds=1e-3, progress=False, console=lambda *_: None,
+               overrides=parse_overrides(_sets(tmp_path, "zero")))
+    assert (f["groups_asked"], f["groups"], f["episodes"]) == (8, 4, 8)  # one batch of 4 prompts, then the budget
+    assert "sampled 4 groups (8 episodes; 8 asked)" in format_report(f)[0]

@@ -25,6 +25,7 @@ from .signal import episode_rewards, signal_facts, signal_kind
 from .stats import mean_ci, wilson_interval
 
 DEFAULT_GROUPS = 16
+CHUNK_PROMPTS = 4  # prompts per batched rollout call: the budget is checked between calls
 TINY_BUDGET_S, BUDGET_S = 120.0, 300.0
 
 
@@ -100,7 +101,7 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
                                      "progress": progress})
     quiet = cfg.model_copy(update={"log": log})
     obj = cfg.objective()
-    G, per_call = obj.group_size, max(1, min(cfg.train.prompts_per_step, groups))
+    G, per_call = obj.group_size, max(1, min(cfg.train.prompts_per_step, groups, CHUNK_PROMPTS))
     with tempfile.TemporaryDirectory(prefix="trajgrad-doctor-") as tmp:
         console(f"building the task and the model ({cfg.model.path or cfg.model.name})...")
         trainer = Trainer(quiet, Path(tmp) / "run", console=lambda *a, **k: None)
