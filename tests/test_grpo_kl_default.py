@@ -78,5 +78,11 @@ def test_every_run_prints_its_kl_and_the_recipe_defaults_it_did_not_set(tmp_path
     over = {"train.steps": 0, "sft.steps": 0, "eval.before": False, "eval.after": False, "checkpoint.every": 0,
             "task.n_train": 8, "task.n_heldout": 2, "log.progress": False}
     assert main(preset="tiny", overrides=over, run_dir=tmp_path / "run") == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "recipe 'grpo': no KL term (kl_placement 'none') (recipe.overrides)" in out
+
+    import trajgrad
+
+    said = []
+    trajgrad.train(preset="tiny", overrides=over, run_dir=tmp_path / "api", console=said.append)
+    assert any(s.startswith("recipe 'grpo': no KL term") for s in said)

@@ -156,6 +156,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
       success) when evaluated, and ``run_dir``.
     """
     from .objective import explain
+    from .train.config_sources import recipe_defaults_line
     from .train.rundir import check_new_run_dir, create_run_dir
     from .train.trainer import Trainer
 
@@ -167,6 +168,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
     new_dir = create_run_dir(out, cfg, overwrite=overwrite)
     say(f"run directory: {out}")
     say("objective optimized by every update of this run:\n" + explain(cfg.objective()))
+    say(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
             from .train.asynchronous import AsyncTrainer
