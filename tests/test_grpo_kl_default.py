@@ -86,3 +86,10 @@ def test_every_run_prints_its_kl_and_the_recipe_defaults_it_did_not_set(tmp_path
     said = []
     trajgrad.train(preset="tiny", overrides=over, run_dir=tmp_path / "api", console=said.append)
     assert any(s.startswith("recipe 'grpo': no KL term") for s in said)
+
+
+def test_verify_with_kl_asks_for_a_kl_term_on_grpo():
+    from trajgrad.verify import verify
+
+    with pytest.raises(ValueError, match=r"^include_kl: recipe 'grpo' has no KL term .*--set kl_placement=loss"):
+        verify(lambda *a, **k: None, "grpo", include_kl=True)
