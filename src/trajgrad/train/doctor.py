@@ -5,7 +5,8 @@ in a temporary directory; with ``sft.steps`` the warm start runs first, since RL
 its result), and the run's own sampler draws ``groups`` groups of the recipe's group size on
 the first training prompts, at the training temperature, within a time budget (by default
 2 minutes for the tiny model, 5 otherwise; the budget counts from the start, the model's
-build and the warm start included, and at least one batch is always sampled).
+build and the warm start included; a batch of 4 prompts is not started when the previous
+one's time would end it past the budget, and at least one batch is always sampled).
 :func:`measure` turns the episodes into facts with 95% intervals (Wilson for proportions,
 Student t for means) and the recipe's own signal (:mod:`trajgrad.train.signal`);
 :mod:`trajgrad.train.doctor_report` gives the verdict and the advice.
@@ -112,13 +113,14 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
             bar.close()
         tasks = trainer.next_tasks(groups)  # the prompts the run's first steps would sample
         bar = progress_bar(trainer, groups * G, f"sampling {groups} groups of {G}")
-        trajs = []
+        trajs, last = [], 0.0
         for start in range(0, groups, per_call):
-            if start and time.perf_counter() - t0 > budget:
+            if start and time.perf_counter() - t0 + last > budget:  # the next batch would end past the budget
                 break
-            chunk = tasks[start:start + per_call]
+            chunk, t1 = tasks[start:start + per_call], time.perf_counter()
             trajs += trainer.sampler.rollout(trainer.source, chunk, group_size=G,
                                              seed=step_seed(cfg.train.seed, 0, start))
+            last = time.perf_counter() - t1
             bar.update(len(chunk) * G)
         bar.close()
         trainer.traj_log.close()

@@ -104,7 +104,8 @@ def advice(f: Dict[str, Any]) -> List[str]:
         out.append(f"the environment refused {inv['p']:.0%} of the actions: check what it accepts")
     tl = f["turn_limit"]
     if tl["n"] and tl["p"] >= HIGH_TURN_LIMIT:
-        out.append(f"{tl['p']:.0%} of episodes ran out of turns: more turns (max_turns), or the policy never ends")
+        out.append(f"{tl['p']:.0%} of episodes were truncated (turn limit): more turns (max_turns), or the policy "
+                   "never ends")
     tm = f["template_mismatch"]
     if tm["k"]:
         out.append(f"{tm['k']} episodes ended at a chat-template mismatch (never trained): see "
@@ -136,7 +137,7 @@ def format_report(f: Dict[str, Any]) -> Tuple[str, str]:
              "env-invalid actions   " + (f"{_p(f['invalid_actions'])} of turns" if f.get("invalid_actions")
                                         else "not reported by this environment"),
              f"cut at max_new_tokens {_p(f['cut_turns'])} of turns (limit {f['max_new_tokens']})",
-             f"out of turns          {_p(f['turn_limit'])} of episodes",
+             f"truncated episodes    {_p(f['turn_limit'])} (turn or context limit)",
              f"template mismatches   {_p(f['template_mismatch'])} of episodes",
              f"turns per episode     {_m(f['turns'])}",
              f"tokens per episode    {_m(f['action_tokens'])}"]

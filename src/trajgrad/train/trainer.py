@@ -147,6 +147,7 @@ class Trainer:
             "trajectory_offset": offsets[0], "trajectory_offsets": offsets, "world_size": self.world,
             "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
+            "no_signal_run": self.signal_watch.run,
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
             "sft": self._sft_state,
         }
@@ -173,6 +174,7 @@ class Trainer:
         self.step = int(ex["step"])
         self.cursor = int(ex["cursor"])
         self.policy_version = int(ex["policy_version"])
+        self.signal_watch.run = int(ex.get("no_signal_run", 0))  # the streak of steps without a signal goes on
         self.sampler.set_policy_version(self.policy_version)
         saved_world = int(ex.get("world_size", 1))
         if saved_world != self.world:
