@@ -79,8 +79,8 @@ class TaskConfig(_Strict):
     heldout: Optional[Union[float, str]] = Field(
         None, description="held-out rows of task.dataset: a fraction in [0, 1) or a file/directory (default 0.1, "
         "or the DatasetDict's test split)")
-    n_train: int = Field(4000, ge=1, description="training tasks drawn from the source's train split; prompts are "
-                         "taken from them in order, prompts_per_step at a time")
+    n_train: int = Field(4000, ge=1, description="training tasks drawn from the source's train split; each pass "
+                         "over them takes a fixed random order (task.seed), train.prompts_per_step per step")
     n_heldout: int = Field(64, ge=1, description="held-out tasks evaluated before and after training (eval.n wins)")
     seed: int = Field(0, description="seed of the task draws of both splits and of the training prompts' order")
     shaping: bool = Field(False, description="potential-based reward shaping from the environment's potentials "
