@@ -77,3 +77,10 @@ def test_the_time_budget_stops_sampling_between_batches(tmp_path):
                overrides=parse_overrides(_sets(tmp_path, "zero")))
     assert (f["groups_asked"], f["groups"], f["episodes"]) == (8, 4, 8)  # one batch of 4 prompts, then the budget
     assert "sampled 4 groups (8 episodes; 8 asked)" in format_report(f)[0]
+
+
+def test_the_sft_warm_start_runs_as_the_run_within_the_budget(tmp_path):
+    over = parse_overrides(_sets(tmp_path, "zero", **{"sft.steps": 50, "sft.batch_size": 2}))
+    f = doctor(preset="tiny", groups=1, max_seconds=1e-3, progress=False, console=lambda *_: None, overrides=over)
+    assert (f["sft_steps"], f["sft_configured"]) == (1, 50)  # stopped after its first step: out of time
+    assert "after 1 of the 50 SFT warm-start steps (stopped at the time budget" in format_report(f)[0]

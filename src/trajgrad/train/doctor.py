@@ -2,7 +2,8 @@
 
 The run's own setup builds the task and the policy (:class:`~trajgrad.train.trainer.Trainer`
 in a temporary directory; with ``sft.steps`` the warm start runs first, since RL starts from
-its result), and the run's own sampler draws ``groups`` groups of the recipe's group size on
+its result, stopped early when it has used :data:`SFT_SHARE` of the budget, which the report
+says), and the run's own sampler draws ``groups`` groups of the recipe's group size on
 the first training prompts, at the training temperature, within a time budget (by default
 2 minutes for the tiny model, 5 otherwise; the budget counts from the start, the model's
 build and the warm start included; a batch of 4 prompts is not started when the previous
@@ -27,6 +28,7 @@ from .stats import mean_ci, wilson_interval
 
 DEFAULT_GROUPS = 16
 CHUNK_PROMPTS = 4  # prompts per batched rollout call: the budget is checked between calls
+SFT_SHARE = 0.6    # the SFT warm start stops once this share of the budget is spent
 TINY_BUDGET_S, BUDGET_S = 120.0, 300.0
 
 
@@ -106,11 +108,7 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
     with tempfile.TemporaryDirectory(prefix="trajgrad-doctor-") as tmp:
         console(f"building the task and the model ({cfg.model.path or cfg.model.name})...")
         trainer = Trainer(quiet, Path(tmp) / "run", console=lambda *a, **k: None)
-        warm = cfg.sft.steps if sft and cfg.sft.steps > 0 else 0
-        if warm:
-            bar = progress_bar(trainer, warm, "sft warm start (as the run)")
-            trainer.sft(warm, cfg.sft.batch_size, cfg.sft.lr, progress=lambda s, loss: bar.update(1))
-            bar.close()
+        warm = _warm_start(trainer, cfg.sft.steps if sft else 0, t0 + SFT_SHARE * budget)
         tasks = trainer.next_tasks(groups)  # the prompts the run's first steps would sample
         bar = progress_bar(trainer, groups * G, f"sampling {groups} groups of {G}")
         trajs, last = [], 0.0
@@ -127,9 +125,37 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
         trainer.metrics.close()
     facts = measure(cfg, trajs)
     facts.update(seconds=time.perf_counter() - t0, budget_s=budget, groups_asked=groups, sft_steps=warm,
+                 sft_configured=cfg.sft.steps if sft else 0,
                  temperature=cfg.sampling.sampler_temperature, max_new_tokens=cfg.sampling.max_new_tokens,
                  model=cfg.model.path or cfg.model.name, has_demos=_has_demos(trainer))
     return facts
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _warm_start(trainer, steps: int, deadline: float) -> int:
+    """The run's SFT warm start (``Trainer.sft``), stopped after the step that passes
+    ``deadline``; the steps done."""
+    if steps <= 0:
+        return 0
+    cfg, done = trainer.cfg, 0
+    bar = progress_bar(trainer, steps, "sft warm start (as the run)")
+
+    def step(s, loss):
+        nonlocal done
+        done = s + 1
+        bar.update(1)
+        if done < steps and time.perf_counter() > deadline:
+            raise _OutOfTime
+
+    try:
+        trainer.sft(steps, cfg.sft.batch_size, cfg.sft.lr, progress=step)
+    except _OutOfTime:
+        pass
+    bar.close()
+    return done
 
 
 def _has_demos(trainer) -> bool:

@@ -125,6 +125,9 @@ def format_report(f: Dict[str, Any]) -> Tuple[str, str]:
     """(report text, verdict)."""
     v = verdict(f)
     sft = f" after the SFT warm start ({f['sft_steps']} steps, as the run)" if f.get("sft_steps") else ""
+    if f.get("sft_steps", 0) < f.get("sft_configured", 0):
+        sft = (f" after {f['sft_steps']} of the {f['sft_configured']} SFT warm-start steps (stopped at the time "
+               "budget: the run's policy is trained further; --max-seconds gives more time)")
     r = f["reward"]
     values = ", ".join(f"{val:g} x{c}" for val, c in r["values"])
     lines = [f"trajgrad doctor: recipe {f['recipe']!r}, model {f['model']}{sft}, temperature {f['temperature']:g}, "
