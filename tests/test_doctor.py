@@ -83,4 +83,6 @@ def test_the_sft_warm_start_runs_as_the_run_within_the_budget(tmp_path):
     over = parse_overrides(_sets(tmp_path, "zero", **{"sft.steps": 50, "sft.batch_size": 2}))
     f = doctor(preset="tiny", groups=1, max_seconds=1e-3, progress=False, console=lambda *_: None, overrides=over)
     assert (f["sft_steps"], f["sft_configured"]) == (1, 50)  # stopped after its first step: out of time
-    assert "after 1 of the 50 SFT warm-start steps (stopped at the time budget" in format_report(f)[0]
+    text = format_report(f)[0]
+    assert "after 1 of the 50 SFT warm-start steps (stopped at the time budget" in text
+    assert "the policy sampled had 1 of the run's 50 SFT warm-start steps" in text and "--max-seconds" in text

@@ -108,7 +108,9 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
     with tempfile.TemporaryDirectory(prefix="trajgrad-doctor-") as tmp:
         console(f"building the task and the model ({cfg.model.path or cfg.model.name})...")
         trainer = Trainer(quiet, Path(tmp) / "run", console=lambda *a, **k: None)
+        t_sft = time.perf_counter()
         warm = _warm_start(trainer, cfg.sft.steps if sft else 0, t0 + SFT_SHARE * budget)
+        t_sft = time.perf_counter() - t_sft
         tasks = trainer.next_tasks(groups)  # the prompts the run's first steps would sample
         bar = progress_bar(trainer, groups * G, f"sampling {groups} groups of {G}")
         trajs, last = [], 0.0
@@ -125,7 +127,7 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
         trainer.metrics.close()
     facts = measure(cfg, trajs)
     facts.update(seconds=time.perf_counter() - t0, budget_s=budget, groups_asked=groups, sft_steps=warm,
-                 sft_configured=cfg.sft.steps if sft else 0,
+                 sft_configured=cfg.sft.steps if sft else 0, sft_seconds=t_sft,
                  temperature=cfg.sampling.sampler_temperature, max_new_tokens=cfg.sampling.max_new_tokens,
                  model=cfg.model.path or cfg.model.name, has_demos=_has_demos(trainer))
     return facts

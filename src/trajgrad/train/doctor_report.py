@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from .doctor import SFT_SHARE
+
 WEAK_GROUPS = 0.75      # fraction of zero-variance groups from which the signal is called weak
 HIGH_CUT = 0.2          # fraction of turns cut at max_new_tokens worth a warning
 HIGH_TOOL_ERRORS = 0.5  # fraction of turns with a malformed or failed action
@@ -61,6 +63,12 @@ def advice(f: Dict[str, Any]) -> List[str]:
     """Concrete options, each from a measured fact."""
     out: List[str] = []
     v, G, s = verdict(f), f["group_size"], f["success"]
+    done, planned = f.get("sft_steps", 0), f.get("sft_configured", 0)
+    if done < planned:
+        need = f["seconds"] + f.get("sft_seconds", 0.0) / max(done, 1) * (planned - done) / SFT_SHARE
+        out.append(f"the policy sampled had {done} of the run's {planned} SFT warm-start steps (the time budget "
+                   f"ran out): this verdict is about a less trained policy than the run's; for the run's own, "
+                   f"--max-seconds {need:.0f} (estimated from the steps' time)")
     if v in ("no signal", "weak signal"):
         if f["signal_kind"] == "group":
             zv = f["zero_variance_groups"]
