@@ -9,7 +9,7 @@ import pytest
 
 from trajgrad.objective import get_recipe
 from trajgrad.train.config import load_config
-from trajgrad.train.signal import NoSignalWatch, signal_facts
+from trajgrad.train.learning_signal import NoSignalWatch, signal_facts
 
 ME = __name__
 

@@ -9,7 +9,7 @@ the first training prompts, at the training temperature, within a time budget (b
 build and the warm start included; a batch of 4 prompts is not started when the previous
 one's time would end it past the budget, and at least one batch is always sampled).
 :func:`measure` turns the episodes into facts with 95% intervals (Wilson for proportions,
-Student t for means) and the recipe's own signal (:mod:`trajgrad.train.signal`);
+Student t for means) and the recipe's own signal (:mod:`trajgrad.train.learning_signal`);
 :mod:`trajgrad.train.doctor_report` gives the verdict and the advice.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Sequence
 from .config import Config, load_config
 from .loop import progress_bar
 from .seeding import step_seed
-from .signal import episode_rewards, signal_facts, signal_kind
+from .learning_signal import episode_rewards, signal_facts, signal_kind
 from .stats import mean_ci, wilson_interval
 
 DEFAULT_GROUPS = 16

@@ -66,7 +66,7 @@ def main(
     non-empty ``run_dir`` unless ``overwrite``; a resume (``resume``: the run directory) refuses
     a config that differs from the run's unless ``allow_config_change``, and resumes from
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
-    Returns 0, or 3 when ``train.stop_on_no_signal`` ended the run early (:mod:`trajgrad.train.signal`).
+    Returns 0, or 3 when ``train.stop_on_no_signal`` ended the run early (:mod:`trajgrad.train.learning_signal`).
     """
     from ..objective import explain
     from .config_sources import recipe_defaults_line

@@ -51,7 +51,7 @@ from .rundir import record_determinism
 from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
-from .signal import NoSignalWatch, signal_facts
+from .learning_signal import NoSignalWatch, signal_facts
 
 __all__ = ["Trainer", "EvalResult", "seed_everything"]
 
@@ -89,7 +89,7 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
-        # consecutive steps without a learning signal: warned, logged, or the run ends (train.signal)
+        # consecutive steps without a learning signal: warned, logged, or the run ends (train.learning_signal)
         self.signal_watch = NoSignalWatch(self.objective, cfg.train.no_signal_steps, cfg.train.stop_on_no_signal)
         self.stop_reason: Optional[str] = None
         self.sampler = build_sampler(cfg, self.model, self.tokenizer)
