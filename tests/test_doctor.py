@@ -76,7 +76,7 @@ def test_the_time_budget_stops_sampling_between_batches(tmp_path):
     f = doctor(preset="tiny", groups=8, max_seconds=1e-3, progress=False, console=lambda *_: None,
                overrides=parse_overrides(_sets(tmp_path, "zero")))
     assert (f["groups_asked"], f["groups"], f["episodes"]) == (8, 4, 8)  # one batch of 4 prompts, then the budget
-    assert "sampled 4 groups (8 episodes; 8 asked)" in format_report(f)[0]
+    assert "sampled 4 of 8 groups (8 episodes)" in format_report(f)[0]
 
 
 def test_the_sft_warm_start_runs_as_the_run_within_the_budget(tmp_path):

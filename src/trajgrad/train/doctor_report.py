@@ -140,8 +140,8 @@ def format_report(f: Dict[str, Any]) -> Tuple[str, str]:
     values = ", ".join(f"{val:g} x{c}" for val, c in r["values"])
     lines = [f"trajgrad doctor: recipe {f['recipe']!r}, model {f['model']}{sft}, temperature {f['temperature']:g}, "
              f"group size {f['group_size']}",
-             f"sampled {f['groups']} groups ({f['episodes']} episodes; {f['groups_asked']} asked) in "
-             f"{f['seconds']:.0f} s (budget {f['budget_s']:.0f} s)", "",
+             f"sampled {f['groups']} of {f['groups_asked']} groups ({f['episodes']} episodes) in "
+             f"{f['seconds']:.0f} s (budget {f['budget_s']:.0f} s; a batch already started is finished)", "",
              f"reward                {_m(r)}; min {r['min']:g}, max {r['max']:g}; most common: {values}",
              f"success               {_p(f['success'])}",
              f"action errors         {_p(f['tool_errors'])} of turns (tool_error: malformed or failed tool call, no action)",
