@@ -17,7 +17,8 @@ CORPUS = [
     ("gspo_token_detach.py:gspo_token_loss", "gspo_token", {}, {"gradient"}),
     ("seq_is_overflow.py:loss", "gspo", {}, {"long_sequence"}),
     ("sao_attached_as_detached.py:loss", "sao", {}, {"gradient"}),
-    ("kl_on_observations.py:loss", "grpo", {"include_kl": True}, {"value", "masked_nan"}),
+    ("kl_on_observations.py:loss", "grpo", {"include_kl": True, "kl_placement": "loss", "kl_coef": 0.04},
+     {"value", "masked_nan"}),
 ]
 
 
@@ -51,10 +52,10 @@ def test_the_correct_forms_pass_the_same_checks():
             return o.policy_loss(logp, adv, mask, old_logp=old, denominator=denominator)
 
         assert verify(own, name).passed, name
-    grpo = get_recipe("grpo")
+    grpo = get_recipe("grpo", kl_placement="loss", kl_coef=0.04)
 
     def with_kl(logp, old, adv, mask, ref_logp, denominator=None):
         return grpo.policy_loss(logp, adv, mask, old_logp=old, ref_logp=ref_logp, denominator=denominator)
 
-    assert verify(with_kl, "grpo", include_kl=True).passed
+    assert verify(with_kl, grpo, include_kl=True).passed
     assert verify(token_logprobs, "logprobs").passed

@@ -155,7 +155,7 @@ def test_rows_without_gradient_per_response_and_per_token_advantages():
 def test_rows_without_gradient_is_none_when_another_term_moves_the_row():
     mask = torch.ones(2, 3, dtype=torch.bool)
     adv = torch.zeros(2, dtype=F64)
-    assert get_recipe("grpo").kl_placement == "loss" and get_recipe("grpo").rows_without_gradient(adv, mask) is None
+    assert get_recipe("grpo", kl_placement="loss", kl_coef=0.04).rows_without_gradient(adv, mask) is None
     assert _plain("grpo").replace(entropy_coef=0.01).rows_without_gradient(adv, mask) is None
     assert _plain("grpo").replace(entropy_target=0.5).rows_without_gradient(adv, mask) is None
     assert _plain("dro").rows_without_gradient(adv, mask) is None

@@ -35,7 +35,9 @@ def test_explain_reflects_overrides():
     assert "1 + 0.35" in explain("dapo", eps_high=0.35)
     assert "attached" in explain("sao", ratio_gradient="attached")
     assert "A r (1 + log π)" in explain("sao", ratio_gradient="attached")
-    assert "k3" in explain("grpo") and "none" in explain("grpo", kl_coef=0.0, kl_placement="none")
+    assert "KL to reference: none" in explain("grpo") and "KL to reference: none" in explain("grpo", kl_coef=0.0,
+                                                                                            kl_placement="none")
+    assert "+ 0.04 · aggregate(k3" in explain("grpo", kl_placement="loss", kl_coef=0.04)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +59,7 @@ def test_unknown_recipe_and_field():
 
 def test_grpo_policy_loss_is_ppo_plus_k3_term():
     logp, old, ref, adv, mask = _batch()
-    obj = RECIPES["grpo"]
+    obj = RECIPES["grpo"].replace(kl_placement="loss", kl_coef=0.04)  # DeepSeekMath's KL term
     lp1 = logp.clone().requires_grad_(True)
     res = obj.policy_loss(lp1, adv, mask, old_logp=old, ref_logp=ref)
     lp2 = logp.clone().requires_grad_(True)
@@ -112,6 +114,6 @@ def test_policy_loss_requires_its_inputs():
     with pytest.raises(ValueError, match="old_logp"):
         RECIPES["ppo"].policy_loss(logp, adv, mask)
     with pytest.raises(ValueError, match="ref_logp"):
-        RECIPES["grpo"].policy_loss(logp, adv, mask, old_logp=old)
+        get_recipe("grpo", kl_placement="loss", kl_coef=0.04).policy_loss(logp, adv, mask, old_logp=old)
     with pytest.raises(ValueError, match="loss"):
         RECIPES["dpo"].policy_loss(logp, adv, mask)

@@ -227,7 +227,7 @@ def test_trl_dapo_reproduces_trl_documented_configuration():
 
 
 def test_explain_diff_trl_grpo_vs_grpo_names_every_differing_convention():
-    text = explain_diff("trl-grpo", "grpo")
+    text = explain_diff("trl-grpo", get_recipe("grpo", kl_placement="loss", kl_coef=0.04))  # DeepSeekMath's KL
     for piece in ("std_unbiased", "std_eps", "aggregation", "kl_placement", "kl_coef",
                   "unbiased std (1/(G−1), Bessel)", "population std (1/G)", "token_mean", "seq_mean_token_mean",
                   "KL to reference", "in the loss: + 0.04"):
@@ -242,7 +242,7 @@ def test_explain_prints_each_peer_convention():
     assert "unbiased std" in explain("verl-grpo")
     assert "whitened over the batch" in explain("verl-ppo") and "whitened" not in explain("ppo")
     assert "ρ_t = π_θ/sg[π_old] attached" in explain("trl-grpo", kl_placement="loss", kl_coef=0.04)
-    assert "straight-through" in explain("grpo", kl_kind="k3+")
+    assert "straight-through" in explain("grpo", kl_kind="k3+", kl_placement="loss", kl_coef=0.04)
     assert "token_sum" in explain("grpo", aggregation="token_sum")
     assert "hinge" in explain("dpo", dpo_loss_type="hinge")
 

@@ -21,6 +21,9 @@ from trajgrad.train.trainer import Trainer
 TIMING_KEYS = ("time", "wall_time")
 
 
+GRPO_KL = {"name": "grpo", "overrides": {"kl_placement": "loss", "kl_coef": 0.04}}  # DeepSeekMath's KL term
+
+
 def micro_config(recipe_name: str, **sections):
     recipe = recipe_name
     group = 2 if RECIPES[recipe].group_size > 1 else None
@@ -117,7 +120,7 @@ def _run_cli(args, env, **kw):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path):
-    cfg = micro_config("grpo", train={"steps": 5}, checkpoint={"every": 1})
+    cfg = micro_config("grpo", train={"steps": 5}, checkpoint={"every": 1}, recipe=GRPO_KL)  # pi_ref resumed too
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump()))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -235,7 +238,8 @@ def test_reference_is_the_policy_when_rl_starts(tmp_path, lora):
 
 
 def test_reference_snapshot_survives_a_checkpoint(tmp_path):
-    cfg = micro_config("grpo", sft={"steps": 20, "lr": 1e-2}, train={"steps": 2}, checkpoint={"every": 1})
+    cfg = micro_config("grpo", sft={"steps": 20, "lr": 1e-2}, train={"steps": 2}, checkpoint={"every": 1},
+                       recipe=GRPO_KL)
     torch.manual_seed(0)
     tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
     tr.run()

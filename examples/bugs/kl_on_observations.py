@@ -7,7 +7,8 @@ The policy term is masked correctly; only the KL term uses the span mask. Public
 THUDM/slime issue #1370 (no masking of tool responses in the KL accumulated into token-level
 rewards for agentic RL).
 
-    trajgrad verify examples/bugs/kl_on_observations.py:loss --as grpo --include-kl   # fails value, masked_nan
+    trajgrad verify examples/bugs/kl_on_observations.py:loss --as grpo --include-kl \
+        --set kl_placement=loss --set kl_coef=0.04   # DeepSeekMath's KL term; fails value, masked_nan
 """
 import torch
 

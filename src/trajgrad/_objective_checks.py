@@ -82,6 +82,9 @@ def validate(o) -> None:
         raise ValueError("dynamic_sampling: needs groups (group_size >= 2)")
     if o.kl_placement == "none" and o.kl_coef != 0:
         raise ValueError("kl_coef: is nonzero but kl_placement is 'none'")
+    if o.kl_placement != "none" and o.kl_coef == 0:
+        raise ValueError(f"kl_coef: is 0 but kl_placement is {o.kl_placement!r} (a KL term that does nothing); "
+                         "give kl_coef > 0 or kl_placement 'none'")
     if o.constant is not None and o.aggregation != "seq_sum_constant":
         raise ValueError("constant: only used with aggregation 'seq_sum_constant'")
     if est.needs_critic and not o.critic:

@@ -172,6 +172,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
       The summary dict: ``steps``, ``recipe``, ``eval_before`` / ``eval_after`` (held-out
       success) when evaluated, and ``run_dir``.
     """
+    from .train.config_sources import recipe_defaults_line
     from .train.mixture import explain_config
     from .train.rundir import check_new_run_dir, create_run_dir
     from .train.trainer import Trainer
@@ -186,6 +187,7 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
         say(f"{key}: {value} (not set: a preset's value is for its own task; overrides={{{key!r}: ...}} sets it)")
     say(f"run directory: {out}")
     say("objective optimized by every update of this run:\n" + explain_config(cfg))
+    say(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
             from .train.asynchronous import AsyncTrainer

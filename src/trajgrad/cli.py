@@ -1,4 +1,4 @@
-"""The ``trajgrad`` command line: train | explain | verify | example | plot | serve | view."""
+"""The ``trajgrad`` command line: train | config | doctor | explain | verify | example | plot | serve | view."""
 from __future__ import annotations
 
 import os
@@ -184,6 +184,60 @@ def train(
     except TaskError as exc:  # the user's task code failed mid-run (a reward function, ...): one line
         _fail(exc, 1)
     raise typer.Exit(code or 0)
+
+
+@app.command()
+def config(
+    config_file: Optional[Path] = typer.Argument(None, metavar="CONFIG", help="YAML config (omit: the default preset)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Named preset (default, tiny, ...)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
+    schema: bool = typer.Option(False, "--schema", help="Print the JSON Schema of a config."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the configuration reference (docs/config.md)."),
+) -> None:
+    """Print the resolved config with where each value came from (default, preset, file, --set)."""
+    from .train import config_reference, config_sources
+
+    try:
+        if schema or markdown:
+            if schema and markdown:
+                raise ValueError("--schema: give one of --schema and --markdown")
+            if config_file is not None or preset is not None or set_:
+                raise ValueError("--schema: documents every key; it takes no CONFIG, --preset or --set")
+            import json
+
+            typer.echo(json.dumps(config_reference.json_schema(), indent=2) if schema else config_reference.markdown(),
+                       nl=not markdown)
+            return
+        _, rows = config_sources.config_sources(config_file, preset=preset, overrides=_parse_sets(set_))
+        typer.echo(config_sources.format_sources(rows))
+    except ValueError as exc:
+        _fail(exc)
+
+
+@app.command()
+def doctor(
+    config_file: Optional[Path] = typer.Argument(None, metavar="CONFIG", help="YAML config (omit: the default preset)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Named preset (default, tiny, ...)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a config key: key=value (repeatable)."),
+    groups: int = typer.Option(16, "--groups", help="Groups (prompts) to sample at the recipe's group size."),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Time budget from the start (default "
+                                                "120 for the tiny model, 300 otherwise)."),
+    no_sft: bool = typer.Option(False, "--no-sft", help="Sample the policy before the configured SFT warm start."),
+) -> None:
+    """Will this run learn? Sample the base policy as training would; the recipe's signal, a verdict, advice.
+
+    Exit status: 0 for ok (or n/a), 1 for a weak signal or none, 2 for a bad config."""
+    from .train.doctor import doctor as doctor_fn
+    from .train.doctor_report import format_report
+
+    try:
+        facts = doctor_fn(config_file, preset=preset, overrides=_parse_sets(set_), groups=groups,
+                          max_seconds=max_seconds, sft=not no_sft, console=lambda m: typer.echo(m, err=True))
+    except ValueError as exc:
+        _fail(exc)
+    text, verdict = format_report(facts)
+    typer.echo(text)
+    raise typer.Exit(1 if verdict in ("no signal", "weak signal") else 0)
 
 
 @app.command()

@@ -92,8 +92,10 @@ class Objective:
       tau_pos, tau_neg: SAPO temperatures (§18).
       ratio_gradient: SAO's ``"detached"`` or ``"attached"`` ratio (§20.2).
       beta: DPO's β (§10).
-      kl_coef, kl_placement, kl_kind: KL to the reference policy (§9): in the reward (per
-        token, ``r_t - kl_coef * k``) or as a loss term (``+ kl_coef * aggregate(k)``).
+      kl_coef, kl_placement, kl_kind: KL to the reference policy (§9): ``"none"`` (no KL
+        term, ``kl_coef`` 0), in the ``"reward"`` (per token, ``r_t - kl_coef * k``) or as a
+        ``"loss"`` term (``+ kl_coef * aggregate(k)``); ``kl_kind`` the estimator k of
+        :data:`KL_KINDS`. Setting ``kl_placement`` to ``"none"`` sets ``kl_coef`` to 0.
       gamma, lam: discount and GAE λ (critic recipes).
       std_eps: ε in ``(R - mean)/(std + ε)``.
       group_size: rollouts per prompt (1 for single-rollout methods).
@@ -302,12 +304,15 @@ class Objective:
 
         A field that the resulting recipe does not read (for example ``tau_pos`` on a PPO
         recipe) can only be set to its default: anything else would be printed but never
-        optimized, so it raises ``ValueError`` naming the field.
+        optimized, so it raises ``ValueError`` naming the field. ``kl_placement="none"``
+        removes the KL term: ``kl_coef`` becomes 0 unless given.
         """
         names = {f.name: f for f in dataclasses.fields(self)}
         unknown = set(changes) - set(names)
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not a field of Objective")
+        if changes.get("kl_placement") == "none" and "kl_coef" not in changes:
+            changes = {**changes, "kl_coef": 0.0}
         new = dataclasses.replace(self, **changes)
         read = set(new.read_fields())
         for k, v in changes.items():

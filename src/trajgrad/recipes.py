@@ -20,8 +20,9 @@ RECIPES: Dict[str, Objective] = {
     ),
     "grpo": Objective(
         name="grpo", loss="ppo", advantage="group_std", aggregation="seq_mean_token_mean", eps_low=0.2,
-        kl_coef=0.04, kl_placement="loss", kl_kind="k3", group_size=8,
-        paper="Shao et al. 2024 (DeepSeekMath), spec §11",
+        kl_kind="k3", group_size=8,
+        paper=("Shao et al. 2024 (DeepSeekMath), spec §11; no KL term, as TRL's GRPOConfig (beta 0) and the "
+               "presets; the paper's: kl_placement 'loss', kl_coef 0.04 (k3)"),
     ),
     "dr_grpo": Objective(
         name="dr_grpo", loss="ppo", advantage="group_center", aggregation="seq_sum_constant", constant=1024.0,

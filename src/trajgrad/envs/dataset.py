@@ -57,7 +57,23 @@ RewardSpec = Union[str, List[str], Dict[str, float]]
 @dataclass(frozen=True)
 class DatasetConfig:
     """Options of the ``"dataset"`` task source (``task.dataset`` / ``task.reward`` /
-    ``task.heldout`` set ``path`` / ``reward`` / ``heldout``)."""
+    ``task.heldout`` set ``path`` / ``reward`` / ``heldout``).
+
+    Attributes:
+      path: the prompts: a .jsonl/.json/.parquet file or a ``datasets`` directory (required).
+      reward: the reward functions: ``"module:function"``, a list (each weighs 1) or
+        ``{"module:function": weight}``; called as TRL calls them (``prompts=``,
+        ``completions=`` and the row's other columns), the episode's reward is their weighted sum.
+      heldout: held-out rows: a fraction of the rows chosen by the hash of the prompt
+        (default 0.1), a second file or directory, or the DatasetDict's test split.
+      prompt_field: the column holding the prompt (a string or a list of chat messages).
+      answer_field: the column holding the reference answer (the demonstrations of ``sft.steps``
+        and the completion that probes the rewards at load time).
+      system_prompt: a system message before the prompt (None = none).
+      tools: ``"module:function"`` tools the model may call (multi-turn); None = single-turn.
+      max_turns: assistant turns per episode (1 without tools).
+      success_threshold: a total reward at least this high counts as a success.
+    """
 
     path: str = ""
     reward: Optional[RewardSpec] = None

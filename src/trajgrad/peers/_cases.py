@@ -14,6 +14,7 @@ from . import trl as T
 from . import verl as V
 
 NO_KL = {"kl_coef": 0.0, "kl_placement": "none"}
+PAPER_KL = {"kl_placement": "loss", "kl_coef": 0.04}  # DeepSeekMath's KL term (trajgrad's grpo has none)
 TRL_EPS = {"eps_high": None}  # TRL: epsilon_high defaults to epsilon
 TRL_MAX_LEN = 64              # the adapter's max_completion_length (Dr. GRPO's constant)
 
@@ -31,9 +32,9 @@ TRL = [
              "grpo", dict(NO_KL), denominator="rows"),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='grpo', beta=0.04)  [use_bias_correction_kl=True, TRL's default]",
              partial(T.grpo_loss, "grpo", beta=0.04, use_bias_correction_kl=True), "grpo",
-             {"kl_bias_correction": True}, include_kl=True, denominator="rows"),
+             {**PAPER_KL, "kl_bias_correction": True}, include_kl=True, denominator="rows"),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
-             partial(T.grpo_loss, "grpo", beta=0.04), "grpo", {}, include_kl=True, denominator="rows"),
+             partial(T.grpo_loss, "grpo", beta=0.04), "grpo", dict(PAPER_KL), include_kl=True, denominator="rows"),
     PeerCase("trl", "GRPOTrainer._compute_loss(loss_type='dr_grpo')",
              partial(T.grpo_loss, "dr_grpo", max_completion_length=TRL_MAX_LEN), "dr_grpo",
              {"constant": float(TRL_MAX_LEN)}, denominator="rows"),

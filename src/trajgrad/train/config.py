@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from typing_extensions import Annotated
 
@@ -29,19 +28,21 @@ class _Strict(BaseModel):
 
 
 class LoraConfig(_Strict):
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(8, ge=1, description="LoRA rank of each adapted module")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
     target_modules: Optional[List[str]] = Field(
         None, description="modules to adapt; None = detected for the architecture (q/k/v/o_proj where the model "
         "has them, else peft's defaults for its type, else every linear layer but the head)")
 
 
 class TinyModelConfig(_Strict):
-    hidden_size: int = Field(96, ge=8)
-    layers: int = Field(2, ge=1)
-    heads: int = Field(4, ge=1)
-    seed: int = 0
+    """A randomly initialized small Llama-shaped model (tests, the tiny presets)."""
+
+    hidden_size: int = Field(96, ge=8, description="width; divisible by heads with an even head size")
+    layers: int = Field(2, ge=1, description="decoder layers")
+    heads: int = Field(4, ge=1, description="attention heads")
+    seed: int = Field(0, description="seed of the random initialization")
 
 
 class ModelConfig(_Strict):
@@ -57,9 +58,11 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="base weights; auto = bfloat16 only where the hardware computes it natively "
         "(AVX512-BF16/AMX CPUs, CUDA), else float32 (bf16 is emulated and slower on AVX2-only CPUs)")
-    lora: Optional[LoraConfig] = LoraConfig()
-    tiny: TinyModelConfig = TinyModelConfig()
-    gradient_checkpointing: bool = False
+    lora: Optional[LoraConfig] = Field(LoraConfig(), description="LoRA adapters on the policy; null = full "
+                                       "fine-tuning (every parameter trained)")
+    tiny: TinyModelConfig = Field(TinyModelConfig(), description="the tiny model's shape (model.name 'tiny')")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass "
+                                         "(less training memory, more compute)")
 
 
 class TaskConfig(_Strict):
@@ -68,7 +71,8 @@ class TaskConfig(_Strict):
     environment, adapted), or a dataset with reward functions (``dataset`` + ``reward``)."""
 
     name: str = Field("calculator", description="a registered task source, or 'package.module:factory'")
-    options: Dict[str, Any] = {}
+    options: Dict[str, Any] = Field({}, description="the task source's options (free-form; checked against the "
+                                    "source's options at load time; see the task.options sections below)")
     dataset: Optional[str] = Field(None, description="prompts: a .jsonl/.json/.parquet file or a datasets "
                                    "directory (sets task.name 'dataset')")
     reward: Optional[Union[str, List[str], Dict[str, float]]] = Field(
@@ -76,10 +80,12 @@ class TaskConfig(_Strict):
     heldout: Optional[Union[float, str]] = Field(
         None, description="held-out rows of task.dataset: a fraction in [0, 1) or a file/directory (default 0.1, "
         "or the DatasetDict's test split)")
-    n_train: int = Field(4000, ge=1)
-    n_heldout: int = Field(64, ge=1)
-    seed: int = 0
-    shaping: bool = False
+    n_train: int = Field(4000, ge=1, description="training tasks drawn from the source's train split; each pass "
+                         "over them takes a fixed random order (task.seed), train.prompts_per_step per step")
+    n_heldout: int = Field(64, ge=1, description="held-out tasks evaluated before and after training (eval.n wins)")
+    seed: int = Field(0, description="seed of the task draws of both splits and of the training prompts' order")
+    shaping: bool = Field(False, description="potential-based reward shaping from the environment's potentials "
+                          "(r + gamma * Phi(s') - Phi(s), terminal potential 0; spec §21)")
 
     @model_validator(mode="after")
     def _dataset_alias(self) -> "TaskConfig":
@@ -124,10 +130,16 @@ class EnvironmentConfig(TaskConfig):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0)
-    top_k: Optional[int] = Field(None, ge=1)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    max_new_tokens: int = Field(48, ge=1)
+    """How rollouts are sampled from the policy."""
+
+    temperature: float = Field(1.0, ge=0, description="rollout sampling temperature; the learner's log-probs are "
+                               "computed at the same temperature (0 = greedy, log-probs at 1)")
+    top_k: Optional[int] = Field(None, ge=1, description="sample among the k most likely tokens (log-probs of the "
+                                 "truncated distribution); None = off")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="nucleus sampling mass (log-probs of the truncated "
+                                   "distribution); None = off")
+    max_new_tokens: int = Field(48, ge=1, description="tokens generated per assistant turn; a turn that reaches it "
+                                "is cut at the limit")
     behaviour_temperature: Optional[float] = Field(
         None, gt=0, description="mismatch injection, for experiments only: the sampler draws (and records its "
         "behaviour log-probs) at this temperature while the learner recomputes at sampling.temperature, so "
@@ -153,9 +165,12 @@ class RolloutConfig(_Strict):
     """Where rollouts come from: in-process Hugging Face sampling, an OpenAI-compatible server, or an
     external agent through the chat proxy."""
 
-    backend: Literal["hf", "openai", "proxy"] = "hf"
+    backend: Literal["hf", "openai", "proxy"] = Field(
+        "hf", description="hf = in-process sampling with the policy; openai = an OpenAI-compatible server at "
+        "base_url; proxy = an external agent (rollout.proxy.agent) talking to the served policy")
     base_url: Optional[str] = Field(None, description="server URL for backend 'openai', e.g. http://127.0.0.1:8000")
-    server: Literal["trajgrad", "vllm", "sglang"] = "trajgrad"
+    server: Literal["trajgrad", "vllm", "sglang"] = Field(
+        "trajgrad", description="the kind of server at base_url (how its token log-probs are requested)")
     model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
     template_mismatch: Literal["error", "truncate"] = Field(
         "error", description="when the chat template re-renders the history differently from the sampled tokens: "
@@ -164,29 +179,46 @@ class RolloutConfig(_Strict):
 
 
 class RecipeConfig(_Strict):
-    name: str = "grpo"
-    overrides: Dict[str, Any] = {}
+    """The objective: a named recipe of ``trajgrad.objective.RECIPES`` and fields changed."""
+
+    name: str = Field("grpo", description="a recipe name (trajgrad explain NAME prints its objective)")
+    overrides: Dict[str, Any] = Field({}, description="recipe fields to change (see the recipe.overrides section); "
+                                      "a field the recipe does not read is refused unless given its off value")
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: Optional[float] = Field(1.0, gt=0)
+    """The policy's AdamW optimizer."""
+
+    lr: float = Field(5e-4, gt=0, description="AdamW learning rate of the policy (RL steps)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the policy gradient's global norm to this; "
+                                       "None = no clipping")
     betas: List[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2,
                                                             description="Adam (beta1, beta2), each in [0, 1)")
 
 
 class LoopConfig(_Strict):
-    steps: int = Field(30, ge=0)
-    prompts_per_step: int = Field(8, ge=1)
+    """The RL loop: steps, batch shape, old log-probs, no-signal checks."""
+
+    steps: int = Field(30, ge=0, description="RL optimizer steps (after the SFT warm start)")
+    prompts_per_step: int = Field(8, ge=1, description="training prompts per step (each sampled group_size times)")
     group_size: Optional[int] = Field(None, ge=1, description="rollouts per prompt; None = the recipe's")
-    micro_batch_size: int = Field(8, ge=1)
-    epochs_per_batch: int = Field(1, ge=1)
-    seed: int = 0
+    micro_batch_size: int = Field(8, ge=1, description="rows per forward/backward pass; the loss's denominator "
+                                  "is the whole batch's, so the update does not depend on it (§13)")
+    epochs_per_batch: int = Field(1, ge=1, description="optimizer steps on each sampled batch (> 1: off-policy "
+                                  "epochs, ratios against the old log-probs)")
+    seed: int = Field(0, description="seed of the token draws of each step, of evaluation and of the DPO pairs")
+    no_signal_steps: int = Field(3, ge=1, description="consecutive steps without a learning signal (every group "
+                                 "with equal rewards; for single-rollout and critic recipes, equal rewards over the "
+                                 "batch) after which a warning is printed and signal/no_signal_warning logged")
+    stop_on_no_signal: bool = Field(False, description="end the run after train.no_signal_steps steps without a "
+                                    "learning signal, with that message (checkpoint, evaluation after, summary.json "
+                                    "'stopped'; trajgrad train exits with status 3), instead of only warning")
     old_logp: Literal["auto", "recompute", "behaviour"] = Field(
         "auto", description="auto: a single on-policy epoch uses the update pass's own detached log-probs "
         "(identical to a recompute); recompute: a separate no-grad pass; behaviour: the sampler's records")
-    dynamic_sampling_max_tries: int = Field(3, ge=1)
+    dynamic_sampling_max_tries: int = Field(3, ge=1, description="dynamic sampling (DAPO): rounds of resampling "
+                                            "groups with equal rewards before training on what there is")
     skip_zero_gradient_rows: bool = Field(
         True, description="rows whose loss and gradient are exactly zero (all advantages 0 under a policy term that "
         "vanishes with them, no KL or entropy term in the loss) run forward only, without a backward pass: the same "
@@ -196,45 +228,58 @@ class LoopConfig(_Strict):
 
 
 class SFTConfig(_Strict):
-    steps: int = Field(0, ge=0)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    """Supervised warm start on the task's demonstrations, before RL."""
+
+    steps: int = Field(0, ge=0, description="SFT steps on demonstrations before RL (0 = none; the task must "
+                       "provide demonstrations)")
+    batch_size: int = Field(16, ge=1, description="demonstrations per SFT step")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the SFT warm start")
 
 
 class EvalConfig(_Strict):
-    every: int = Field(10, ge=0)
+    """Held-out evaluation (success rate with its 95% Wilson interval)."""
+
+    every: int = Field(10, ge=0, description="evaluate every this many RL steps (0 = only before and after)")
     n: Optional[int] = Field(None, ge=1, description="held-out tasks to evaluate; None = task.n_heldout")
     during_n: Optional[int] = Field(None, ge=1, description="evaluations during training use the first during_n "
                                     "of those tasks (a quicker look); None = all")
-    temperature: float = Field(0.0, ge=0)
-    before: bool = True
-    after: bool = True
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0 = greedy)")
+    before: bool = Field(True, description="evaluate before training (and after the SFT warm start)")
+    after: bool = Field(True, description="evaluate after training; with before, prints the two-proportion test")
     distinct: Literal["refuse", "warn"] = Field(
         "refuse", description="when more held-out tasks are asked for than the task has distinct prompts (after "
         "rendering): refuse at load, or warn and evaluate only the distinct ones")
 
 
 class CriticConfig(_Strict):
-    lr: float = Field(1e-3, gt=0)
+    """The value function of critic recipes (PPO, SAO)."""
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic")
     path: Optional[str] = Field(None, description="the critic's own backbone from a checkpoint directory or a cached "
                                 "hub id (same tokenizer as the policy; trained with the value head at critic.lr); "
                                 "None = a value head on the policy's hidden states")
     updates: Optional[int] = Field(None, ge=1, description="critic updates per actor update; None = the recipe's")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic (no policy update)")
 
 
 class ConstraintConfig(_Strict):
-    enabled: bool = False
-    budget: float = 0.0
-    lr: float = Field(0.05, gt=0)
-    init: float = Field(0.0, ge=0)
+    """A cost constraint by a Lagrange multiplier (§22): rewards become r - lambda * cost."""
+
+    enabled: bool = Field(False, description="subtract lambda times the environment's info['cost'] per turn")
+    budget: float = Field(0.0, description="the cost budget d: lambda grows while the mean episode cost exceeds it")
+    lr: float = Field(0.05, gt=0, description="dual ascent step of lambda (projected to >= 0)")
+    init: float = Field(0.0, ge=0, description="lambda at the start")
 
 
 class TeacherConfig(_Strict):
-    name: Literal["smollm2", "tiny", "sft"] = "sft"
+    """The teacher of on-policy distillation (recipes gkd, opd)."""
+
+    name: Literal["smollm2", "tiny", "sft"] = Field(
+        "sft", description="smollm2 = the embedded model; tiny = a random tiny model (smoke test); sft = a tiny "
+        "model trained on demonstrations for max(50, 2 * sft.steps) steps")
     path: Optional[str] = Field(None, description="the teacher from a checkpoint directory or a cached hub id "
                                 "(same tokenizer as the policy); wins over name")
-    tiny: TinyModelConfig = TinyModelConfig(seed=1)
+    tiny: TinyModelConfig = Field(TinyModelConfig(seed=1), description="the tiny teacher's shape")
 
 
 class ReferenceConfig(_Strict):
@@ -245,31 +290,40 @@ class ReferenceConfig(_Strict):
 
 
 class DPOConfig(_Strict):
-    pairs: int = Field(64, ge=1)
+    """Preference pairs of the dpo recipe, sampled once from the initial policy."""
+
+    pairs: int = Field(64, ge=1, description="training tasks sampled twice each to form the preference pairs")
 
 
 class AsyncConfig(_Strict):
     """Single-rollout asynchronous optimization on Ray (§20): see ``trajgrad.train.asynchronous``."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="rollouts on Ray actors while the learner trains (§20)")
     workers: int = Field(2, ge=1, description="rollout actors")
     max_lag: int = Field(2, ge=0, description="max learner version minus oldest sampling version of a trajectory")
     batch_trajectories: int = Field(8, ge=1, description="trajectories per learner update")
     queue_size: int = Field(32, ge=1, description="bound of the finished-trajectory queue")
-    partial: Literal["per_segment", "newest_segment", "discard_mixed"] = "per_segment"
+    partial: Literal["per_segment", "newest_segment", "discard_mixed"] = Field(
+        "per_segment", description="episodes sampled by several policy versions: per_segment = every token's "
+        "ratio against its own version; newest_segment = train only the newest version's tokens; discard_mixed "
+        "= drop them (train/partial.py)")
     ray_address: Optional[str] = Field(None, description="join an existing Ray cluster; None = a local one")
     env_latency: Optional[Dict[str, float]] = Field(
         None, description="lognormal per-step latency {'mu': ..., 'sigma': ...} in log-seconds (benchmarks)")
 
 
 class CheckpointConfig(_Strict):
-    every: int = Field(10, ge=0)
-    keep: int = Field(2, ge=1)
+    """Checkpoints in the run directory (trajgrad train --resume continues from them)."""
+
+    every: int = Field(10, ge=0, description="save a checkpoint every this many steps and at the end (0 = none)")
+    keep: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
 
 
 class LogConfig(_Strict):
-    tensorboard: bool = True
-    progress: bool = True
+    """Metrics (metrics.jsonl, always), trackers, the per-token log, the console."""
+
+    tensorboard: bool = Field(True, description="also write TensorBoard events (as 'tensorboard' in backends)")
+    progress: bool = Field(True, description="progress bars on the console")
     token_log: bool = Field(True, description="per-token sidecar log tokens.jsonl (advantages, ratios, clip and "
                             "correction masks, log-probs, entropy) for `trajgrad view`; docs/view.md")
     token_log_max_mb: float = Field(64.0, gt=0, le=1_000_000, description="tokens.jsonl stops growing at this size "
@@ -289,6 +343,8 @@ class DistConfig(_Strict):
 
 
 class Config(_Strict):
+    """A training run (``trajgrad train``): every section below."""
+
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", description="names the run directory")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -327,7 +383,8 @@ def _max_turns_hint(cfg: Config) -> int:
     return int(cfg.task.options.get("max_turns", 4))
 
 
-# ---------------------------------------------------------------------- presets (their own module)
+# ---------------------------------------------------------------------- presets, YAML (their own modules)
+from .config_yaml import parse_overrides, parse_yaml  # noqa: E402,F401
 from .presets import PRESETS  # noqa: E402
 
 
@@ -395,62 +452,6 @@ def _default_task(task) -> bool:
         return False
 
 
-def _check_unique_keys(node, path: str, what: str) -> None:
-    """Refuse a YAML mapping that gives a key twice (``yaml.safe_load`` keeps the last silently)."""
-    if isinstance(node, yaml.MappingNode):
-        seen = set()
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            dotted = f"{path}.{key}" if path else str(key)
-            if key is not None:
-                if key in seen:
-                    raise ValueError(f"{dotted}: given twice in {what} (line {key_node.start_mark.line + 1})")
-                seen.add(key)
-            _check_unique_keys(value_node, dotted, what)
-    elif isinstance(node, yaml.SequenceNode):
-        for k, item in enumerate(node.value):
-            _check_unique_keys(item, f"{path}.{k}" if path else str(k), what)
-
-
-def parse_yaml(text: str, *, what: str) -> Any:
-    """YAML ``text`` (safe types only) or ValueError naming ``what``; a key given twice is refused,
-    naming its dotted path."""
-    try:
-        _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), "", what)
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ValueError(" ".join(f"{what}: invalid YAML{where}: {problem}".split())) from None
-
-
-_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-
-
-def parse_overrides(items) -> Dict[str, Any]:
-    """``["train.steps=3", ...]`` -> ``{"train.steps": 3}``; values are YAML.
-
-    Raises ValueError naming the key for a missing ``=``, a malformed dotted key, a key given
-    twice, or a value that is not valid YAML.
-    """
-    out: Dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"--set: expected key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        key = key.strip()
-        if not _DOTTED.match(key):
-            raise ValueError(f"--set: {key!r} is not a dotted key such as train.steps")
-        if key in out:
-            raise ValueError(f"{key}: given twice with --set")
-        clash = [k for k in out if k.startswith(key + ".") or key.startswith(k + ".")]
-        if clash:
-            raise ValueError(f"{key}: overlaps {clash[0]} (both given with --set)")
-        out[key] = parse_yaml(value, what=key)
-    return out
-
-
 def load_config(
     path: Optional[Path | str] = None,
     *,
@@ -497,7 +498,7 @@ def load_config(
         recipe_before = (data.get("recipe") or {}).get("name")
         data = _fresh_task_options(data, loaded.get("task"))
         data = _deep_update(data, loaded)
-        if not named:
+        if not named and "name" in data:
             data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     # a preset's name ends with its recipe ("tiny-calculator-grpo"); changing the recipe
     # (`--set recipe.name=ppo`, or in the YAML file) renames the run unless a name was given
@@ -511,7 +512,7 @@ def load_config(
         if any(k == "task" or k.startswith("task.") for k in keys):
             raise ValueError(_BOTH_TASK_KEYS)
         data.pop("task", None)
-    if not named and "name" not in (overrides or {}):
+    if not named and "name" not in (overrides or {}) and "name" in data:
         data["name"] = _renamed(data.get("name"), recipe_before, (data.get("recipe") or {}).get("name"))
     cfg = build_config(data)
     check_effective(cfg, keys)

@@ -487,6 +487,17 @@ def _changed(cfg, key: str, default_cfg) -> bool:
     return cur != ref
 
 
+def _off_value(cfg, field: str) -> bool:
+    """``recipe.overrides.<field>`` is given as the Objective's own default (the value that
+    turns the field's feature off, e.g. ``kl_coef: 0``)."""
+    from ..objective import Objective
+
+    default = {f.name: f.default for f in dataclasses.fields(Objective)}.get(field, dataclasses.MISSING)
+    value = cfg.recipe.overrides.get(field, dataclasses.MISSING)
+    return (default is not dataclasses.MISSING and value is not dataclasses.MISSING
+            and isinstance(value, bool) == isinstance(default, bool) and value == default)
+
+
 def check_effective(cfg, keys: Iterable[str]) -> None:
     """Refuse user-set keys (``keys``, dotted) whose non-default values have no effect."""
     from .config import Config
@@ -525,6 +536,12 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
         ("train.skip_zero_gradient_rows", obj.kind != "token" or not obj.zero_without_advantage,
          f"has no effect: recipe {obj.name!r} has a term that does not vanish with the advantage "
          "(or no token-level policy loss)", ()),
+        ("train.no_signal_steps", obj.kind != "token", f"has no effect: recipe {obj.name!r} takes no reward signal",
+         ()),
+        ("train.stop_on_no_signal", obj.kind != "token", f"has no effect: recipe {obj.name!r} takes no reward signal",
+         ()),
+        ("train.stop_on_no_signal", cfg.asynchronous.enabled, "is not supported by asynchronous runs (they warn and "
+         "log signal/no_signal_warning only)", ()),
         ("train.dynamic_sampling_max_tries", not obj.dynamic_sampling,
          f"has no effect: recipe {obj.name!r} has no dynamic sampling", ()),
     ]
@@ -534,9 +551,10 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
                 if _changed(cfg, key, default):
                     errors.add(key, msg)
         if key.startswith("recipe.overrides."):
-            # the registry says which fields the chosen policy term and estimator read
+            # the registry says which fields the chosen policy term and estimator read; an unread
+            # field set to its off value (kl_coef 0 with kl_placement 'none') changes nothing
             field = key.split(".")[2]
-            if field not in obj.read_fields():
+            if field not in obj.read_fields() and not _off_value(cfg, field):
                 errors.add(key, f"has no effect with loss {obj.loss!r}, advantage {obj.advantage!r} and "
                                 f"kl_placement {obj.kl_placement!r} (recipe {obj.name!r})")
     errors.raise_if_any()

@@ -75,11 +75,17 @@ def end_of_step(trainer, metrics: Dict[str, float], save: Callable[[], object], 
     """One optimizer step is done: count it, log it, evaluate and checkpoint on cadence."""
     cfg = trainer.cfg
     trainer.step += 1
+    watch = getattr(trainer, "signal_watch", None)
+    warning = watch.update(metrics) if watch is not None else None
     trainer.metrics.log(trainer.step, metrics, kind="train")
     if bar is not None:
         bar.update(1)
         bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in postfix if k in metrics})
-    last = cfg.train.steps
+    if warning is not None and trainer.is_main:
+        (bar.write if bar is not None and not bar.disable else trainer.console)(f"step {trainer.step}: {warning}")
+    if warning is not None and watch.stop:
+        trainer.stop_reason = warning
+    last = cfg.train.steps if getattr(trainer, "stop_reason", None) is None else trainer.step
     if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < last:
         ev = trainer.evaluate("during")
         if say_eval and trainer.is_main:

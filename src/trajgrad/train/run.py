@@ -68,21 +68,23 @@ def main(
     ``checkpoint`` (a ``step-NNNNNN`` name) when given. See :mod:`trajgrad.train.rundir`.
     The process that writes the run directory (rank 0 under torchrun) holds its lock until
     it ends; a second writer is refused naming the holder (:mod:`trajgrad.train.runlock`).
+    Returns 0, or 3 when ``train.stop_on_no_signal`` ended the run early (:mod:`trajgrad.train.learning_signal`).
     """
     locks: list = []  # rank 0's locks on the run directory (see trajgrad.train.runlock)
     try:
-        _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint)
+        code = _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint)
     finally:
         for lock in locks:
             if lock is not None:
                 lock.release()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        end_distributed_worker(0)  # one of several processes (torchrun): see end_distributed_worker
-    return 0
+        end_distributed_worker(code)  # one of several processes (torchrun): see end_distributed_worker
+    return code
 
 
-def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint):
+def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint) -> int:
     """:func:`main`'s body; the run directory's locks are appended to ``locks``."""
+    from .config_sources import recipe_defaults_line
     from .mixture import explain_config
     from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
 
@@ -125,6 +127,7 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
     _console("objective optimized by every update of this run:\n")
     _console(objective_text)
     _console("")
+    _console(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
             from .asynchronous import AsyncTrainer
@@ -139,6 +142,10 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
     if new_dir is not None:
         new_dir.keep()
     t0 = time.perf_counter()
-    trainer.run()
+    result = trainer.run()
+    stopped = result.get("stopped") if isinstance(result, dict) else None
+    if stopped:
+        _console(f"the run ended at step {result.get('steps')} of {cfg.train.steps}: {stopped}")
     _console(f"done in {time.perf_counter() - t0:.0f} s; metrics: {out_dir / 'metrics.jsonl'}; "
              f"plots: trajgrad plot {out_dir}")
+    return 3 if stopped else 0

@@ -58,6 +58,7 @@ from .rundir import record_determinism
 from .allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
+from .learning_signal import NoSignalWatch, signal_facts
 
 __all__ = ["Trainer", "EvalResult", "seed_everything"]
 
@@ -97,6 +98,9 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
+        # consecutive steps without a learning signal: warned, logged, or the run ends (train.learning_signal)
+        self.signal_watch = NoSignalWatch(self.objective, cfg.train.no_signal_steps, cfg.train.stop_on_no_signal)
+        self.stop_reason: Optional[str] = None
         self.sampler = build_sampler(cfg, self.model, self.tokenizer, run_dir=self.run_dir if self.is_main else None)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
@@ -155,6 +159,7 @@ class Trainer:
             "trajectory_offset": offsets[0], "trajectory_offsets": offsets, "world_size": self.world,
             "metrics_offset": self.metrics.offset,
             "lagrange": self.lagrange.state_dict() if self.lagrange else None,
+            "no_signal_run": self.signal_watch.run,
             "eval_before": self.eval_before.to_dict() if self.eval_before else None,
             "sft": self._sft_state,
             "mixture": self.mixture.state_dict() if self.mixture is not None else None,
@@ -182,6 +187,7 @@ class Trainer:
         self.step = int(ex["step"])
         self.cursor = int(ex["cursor"])
         self.policy_version = int(ex["policy_version"])
+        self.signal_watch.run = int(ex.get("no_signal_run", 0))  # the streak of steps without a signal goes on
         self.sampler.set_policy_version(self.policy_version)
         saved_world = int(ex.get("world_size", 1))
         if saved_world != self.world:
@@ -273,6 +279,7 @@ class Trainer:
         self.traj_log.extend(trajs)
         if dist_lib.min_over_ranks(len(trajs)) == 0:  # every rank must take part in the update, or none
             metrics["skipped"] = 1.0
+            metrics.update(signal_facts(self.objective, trajs))  # nothing to train on: no signal
             return dist_lib.mean_metrics_over_ranks(metrics)
         metrics.update(self.learn(trajs))
         dt = time.perf_counter() - t_step
@@ -286,7 +293,7 @@ class Trainer:
         cfg, obj, st = self.cfg, self.objective, self.learner
         batch = collate(list(trajs), self.pad_id)
         mask = batch.action_mask
-        metrics = {**batch_facts(batch), **invalid_action_facts(trajs)}
+        metrics = {**batch_facts(batch), **invalid_action_facts(trajs), **signal_facts(obj, trajs)}
         metrics.update(mcp_metrics(trajs))  # tools/mcp_calls, tools/mcp_error_frac/<reason> (MCP tools only)
         if self.mixture is not None:
             metrics.update(self.mixture.metrics(trajs))
@@ -422,10 +429,11 @@ class Trainer:
         """Preamble (evaluation, SFT warm start, pi_ref), ``train.steps`` steps, :meth:`finish`."""
         loop.preamble(self, self.save)
         bar = loop.progress_bar(self, self.cfg.train.steps, f"{self.objective.name}", initial=self.step)
-        while self.step < self.cfg.train.steps:
+        while self.step < self.cfg.train.steps and self.stop_reason is None:
             loop.end_of_step(self, self.train_step(), self.save, bar)
         bar.close()
-        return self.finish({"steps": self.step, "recipe": self.objective.name})
+        summary = {"steps": self.step, "recipe": self.objective.name}
+        return self.finish({**summary, "stopped": self.stop_reason} if self.stop_reason else summary)
 
     def finish(self, summary: Dict[str, Any]) -> Dict[str, Any]:
         """Held-out evaluation after training, before/after comparison, ``summary.json``.

@@ -114,7 +114,8 @@ def verify_policy(
     ref_recipe = recipe if include_kl else recipe.replace(kl_coef=0.0, kl_placement="none")
     ref_recipe = ref_recipe.replace(entropy_coef=0.0)
     if include_kl and recipe.kl_placement != "loss":
-        raise ValueError(f"include_kl: recipe {recipe.name!r} has no KL term in the loss (kl_placement={recipe.kl_placement!r})")
+        raise ValueError(f"include_kl: recipe {recipe.name!r} has no KL term in the loss (kl_placement="
+                         f"{recipe.kl_placement!r}); give one, e.g. --set kl_placement=loss --set kl_coef=0.04")
 
     def ref_fn(logp, old_logp, advantages, mask, denominator=None, ref_logp=None):
         if reference_fn is not None:
