@@ -384,7 +384,8 @@ def check_resume_state(run_dir, *, checkpoint=None, world_size: Optional[int] = 
         name = "trajectories.jsonl" if saved_world == 1 else f"trajectories.rank{rank}.jsonl"
         total = _check_log(run_dir / name, keep, "trajectories")
         if total > keep:
-            notes.append(f"{name}: {total - keep} trajectories written after step {step} are dropped and sampled again")
+            notes.append(f"{name}: {total - keep} trajectories written after step {step} are dropped from the log and "
+                         "sampled again (an asynchronous run trains the ones its checkpoint buffered from that buffer)")
     return ResumeState(checkpoint=path, step=step, repoint=repoint, notes=notes)
 
 
