@@ -351,7 +351,7 @@ def test_resume_checks_the_world_size_before_anything(env, killed):
         check_resume(killed, world_size=2)
     plan = check_resume(killed)
     assert plan.step == 2 and plan.checkpoint.name == "step-000002" and not plan.repoint
-    assert any("dropped and sampled again" in n for n in plan.notes)
+    assert any("dropped from the log and sampled again" in n for n in plan.notes)
 
 
 def test_config_diff_names_dotted_keys():
