@@ -28,7 +28,14 @@ __all__ = ["distinct_tasks", "heldout_key", "heldout_problem", "select_heldout"]
 def _renderer(source: Any, render: bool):
     if render and not getattr(source, "renders_remotely", False) and callable(getattr(source, "make_env", None)):
         env = source.make_env()
-        return lambda task: json.dumps([env.reset(task), task.answer], sort_keys=True, default=str)
+
+        def render(task) -> str:
+            try:
+                return json.dumps([env.reset(task), task.answer], sort_keys=True, default=str)
+            finally:  # an episode begun only to be read: end it (an MCP tool's server, say)
+                if callable(getattr(env, "close", None)):
+                    env.close()
+        return render
     return lambda task: json.dumps([task.prompt or task.id, task.answer], sort_keys=True, default=str)
 
 
