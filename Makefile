@@ -21,7 +21,7 @@ train: $(STAMP)
 	$(BIN)/trajgrad train
 
 test: $(STAMP) vllm
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow"

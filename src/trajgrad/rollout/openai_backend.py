@@ -169,7 +169,8 @@ class OpenAIBackend:
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _send(self, method: str, path: str, body: Optional[Dict[str, Any]] = None):
+    def send(self, method: str, path: str, body: Optional[Dict[str, Any]] = None):
+        """One HTTP request to the server; the ``httpx`` response (ConnectionError when unreachable)."""
         import httpx
 
         try:
@@ -181,12 +182,13 @@ class OpenAIBackend:
             raise ConnectionError(f"server: cannot reach {where} ({exc})") from exc
 
     def post(self, path: str, body: Dict[str, Any]) -> Any:
-        return self._json(self._send("POST", path, body), path)
+        return self.json_of(self.send("POST", path, body), path)
 
     def get(self, path: str) -> Any:
-        return self._json(self._send("GET", path), path)
+        return self.json_of(self.send("GET", path), path)
 
-    def _json(self, resp, path: str) -> Any:
+    def json_of(self, resp, path: str) -> Any:
+        """The JSON body of ``resp``; ValueError quoting the server's message for a status >= 400."""
         try:
             body = resp.json()
         except ValueError:
@@ -387,9 +389,9 @@ class OpenAIBackend:
 
     def post_text(self, path: str, body: Dict[str, Any]) -> Any:
         """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
-        resp = self._send("POST", path, body)
+        resp = self.send("POST", path, body)
         if resp.status_code >= 400:
-            return self._json(resp, path)
+            return self.json_of(resp, path)
         return resp.text
 
 

@@ -138,8 +138,10 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     return teacher
 
 
-def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
-    """The rollout backend: the in-process :class:`HFSampler`, or an OpenAI-compatible server.
+def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, *, work_dir=None, console=print):
+    """The rollout backend: the in-process :class:`HFSampler`, an OpenAI-compatible server, or a
+    vLLM server this run starts under ``work_dir`` (``rollout.backend: vllm``; with
+    ``rollout.base_url``: the running vLLM server there).
 
     Either renders conversations with the model's chat template; ``rollout.template_mismatch``
     says what a template that re-renders the history differently does.
@@ -159,6 +161,18 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0):
                                 temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                                 max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                                 server=cfg.rollout.server)
+    elif cfg.rollout.backend == "vllm":
+        from pathlib import Path
+
+        from ..rollout.vllm_sampler import VLLMSampler
+
+        v = cfg.rollout.vllm
+        sampler = VLLMSampler(model, tokenizer, work_dir=Path(work_dir if work_dir is not None else "vllm"),
+                              base_url=cfg.rollout.base_url, model_name=cfg.rollout.model_name or "policy",
+                              python=v.python, startup_timeout_s=v.startup_timeout_s, max_model_len=v.max_model_len,
+                              kv_cache_gb=v.kv_cache_gb, extra_args=v.extra_args, restarts=v.restarts,
+                              console=console, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens, policy_version=policy_version)
     else:
         sampler = HFSampler(model, tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                             max_new_tokens=s.max_new_tokens, policy_version=policy_version)

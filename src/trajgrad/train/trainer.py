@@ -88,7 +88,8 @@ class Trainer:
         if self.objective.kind == "distill":
             self.learner.teacher = build_teacher(cfg, self.tokenizer, self.sft, self.console)
         self.lagrange = build_lagrange(cfg)
-        self.sampler = build_sampler(cfg, self.model, self.tokenizer)
+        self.sampler = build_sampler(cfg, self.model, self.tokenizer, work_dir=self.run_dir / "vllm",
+                                     console=self.console)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
@@ -269,7 +270,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """A new policy version: an external server receives the weights (documented sync step)."""
-        if self.cfg.rollout.backend == "openai":
+        if self.cfg.rollout.backend in ("openai", "vllm"):
             if self.is_main:
                 self.sampler.sync_weights(self.model, self.policy_version, self.run_dir / "weights-sync")
             dist_lib.barrier()
