@@ -203,6 +203,9 @@ class OpenAIBackend:
                     msg = err
                 msg = msg or body.get("message") or body.get("detail")
             msg = msg or resp.text[:500]
+            if self.server == "vllm" and resp.status_code >= 500:  # measured on vLLM 0.32's CPU build
+                msg += (" (vLLM's CPU build dies on seeded requests whose prefill is chunked, 'CPU Generator does "
+                        "not use offset' in its log: start it with --no-enable-chunked-prefill, docs/serving.md)")
             raise ValueError(f"server: the {self.server} server answered {resp.status_code} to {path}: {msg}")
         if body is None:
             raise ValueError(f"server: the {self.server} server sent a non-JSON answer to {path}: {resp.text[:200]!r}")

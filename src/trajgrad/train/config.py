@@ -145,7 +145,9 @@ class RolloutConfig(_Strict):
     backend: Literal["hf", "openai", "vllm", "proxy"] = "hf"
     base_url: Optional[str] = Field(None, description="server URL for backend 'openai' (or 'vllm': attach to that "
                                     "running vLLM server instead of starting one), e.g. http://127.0.0.1:8000")
-    server: Literal["trajgrad", "vllm", "sglang"] = "trajgrad"
+    server: Literal["trajgrad", "vllm", "sglang"] = Field(
+        "trajgrad", description="the dialect of backend 'openai': trajgrad serve, a running vLLM server (tested "
+        "against vLLM 0.32's CPU build), or SGLang (untested: no SGLang build was run against it)")
     model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
     template_mismatch: Literal["error", "truncate"] = Field(
         "error", description="when the chat template re-renders the history differently from the sampled tokens: "

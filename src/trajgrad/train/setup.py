@@ -156,6 +156,8 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, *, wor
 
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
+        if cfg.rollout.server == "sglang":
+            console("rollout.server 'sglang': untested (no SGLang build was run against it; docs/serving.md)")
         served = cfg.rollout.model_name or (cfg.model.path if cfg.model.path is not None else cfg.model.name)
         sampler = OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=served,
                                 temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
