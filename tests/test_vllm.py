@@ -158,9 +158,12 @@ def test_sync_serves_the_new_weights(vllm_server, tmp_path, kind):
             assert (again - before).abs().max() < 1e-4
 
 
-def test_grpo_two_steps_through_vllm(vllm_server, tmp_path):
+def test_grpo_two_steps_through_vllm(vllm_server, tmp_path, monkeypatch):
     """The trainer samples from vLLM, syncs the LoRA adapter after each update, and the learner's
-    log-probs of the next step's served tokens match (the server really samples the new weights)."""
+    log-probs of the next step's served tokens match (the server really samples the new weights);
+    the held-out evaluation samples from the server too."""
+    import trajgrad.train.evaluation as evaluation
+
     from _vllm import vllm_train_config
 
     from trajgrad.train.metrics import read_metrics
@@ -169,9 +172,15 @@ def test_grpo_two_steps_through_vllm(vllm_server, tmp_path):
     url, model_dir, _ = vllm_server
     cfg = vllm_train_config(model_dir, rollout={"backend": "vllm", "base_url": url, "model_name": "policy"},
                             train={"steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4,
-                                   "old_logp": "recompute"})
+                                   "old_logp": "recompute"},
+                            eval={"before": True, "after": True, "every": 0, "n": 2})
+
+    def no_local_sampler(*a, **k):
+        raise AssertionError("the evaluation sampled in process, not from vLLM")
+    monkeypatch.setattr(evaluation, "HFSampler", no_local_sampler)
     tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
-    tr.run()
+    summary = tr.run()
+    assert summary["eval_after"]["n"] == 2
     rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -1,5 +1,6 @@
-"""The vLLM server trajgrad owns (``rollout.backend: vllm``): no server outlives trajgrad, whether
-trajgrad is SIGKILLed or the server dies mid-step (then: one clear error, nothing trained)."""
+"""The vLLM server trajgrad owns (``rollout.backend: vllm``): a server that dies mid-step is restarted
+once (its episodes dropped); with no restart left it is one clear error and nothing is trained; no
+server outlives trajgrad, even when trajgrad is SIGKILLed."""
 import json
 import os
 import signal
@@ -23,8 +24,8 @@ from _vllm import build_test_model, vllm_train_config
 from trajgrad.train.trainer import Trainer
 run = Path({run!r})
 build_test_model(run.parent / "model")
-cfg = vllm_train_config(run.parent / "model", rollout={{"backend": "vllm", "vllm": {{"restarts": 0,
-    "python": {python!r}, "extra_args": {args!r}}}}}, sampling={{"temperature": 1.0, "max_new_tokens": 48}})
+cfg = vllm_train_config(run.parent / "model", rollout={{"backend": "vllm", "vllm": {{"restarts": {restarts},
+    "python": {python!r}, "extra_args": {args!r}}}}}, sampling={{"temperature": 1.0, "max_new_tokens": 256}})
 Trainer(cfg, run, console=lambda *a: print(*a, flush=True)).run()
 print("FINISHED", flush=True)
 """
@@ -42,11 +43,12 @@ def _group(pgid: int):
     return out
 
 
-def _start(tmp_path):
+def _start(tmp_path, restarts=0):
     from _vllm import SERVER_ARGS, vllm_python
 
     run = tmp_path / "run"
-    code = _SCRIPT.format(tests=os.path.dirname(__file__), run=str(run), python=vllm_python(), args=SERVER_ARGS)
+    code = _SCRIPT.format(tests=os.path.dirname(__file__), run=str(run), python=vllm_python(), args=SERVER_ARGS,
+                          restarts=restarts)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -87,23 +89,48 @@ def _wait_gone(pgid, seconds=30.0):
     return _group(pgid)
 
 
-def test_sigkill_of_trajgrad_leaves_no_server(tmp_path):
-    proc, run, pgid, _ = _start(tmp_path)
+def _kill_server_mid_step(lines, pgid):
+    """SIGKILL the vLLM API server of group ``pgid`` while it runs requests (its /metrics say so)."""
+    import httpx
+
+    url = next(x.split("server on ")[1].split()[0] for x in lines if "starting the server on" in x)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            text = ""
+        running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+        if running and float(running[0].split()[-1]) >= 1:
+            break
+        time.sleep(0.1)
+    server = [p for p in _group(pgid) if p != pgid and "api_server" in _cmdline(p)]
+    assert server
+    os.kill(server[0], signal.SIGKILL)
+
+
+def test_server_restarted_once_then_sigkill_of_trajgrad_leaves_no_server(tmp_path):
+    proc, run, pgid, lines = _start(tmp_path, restarts=1)
     assert len(_group(pgid)) >= 2  # the watchdog and the vLLM server (and its engine processes)
-    proc.kill()  # SIGKILL: no atexit, no finally
+    _kill_server_mid_step(lines, pgid)
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:  # the episodes in flight are dropped and the server restarted
+        lines.append(line)
+        if "vllm: healthy" in line or time.monotonic() > deadline:
+            break
+    text = "".join(lines)
+    assert "episodes dropped, never trained" in text and text.count("vllm: healthy") == 2, text[-3000:]
+    assert _wait_gone(pgid) == []  # the dead server's group is gone
+    second = next(p for p in _group_leaders() if str(run) in _cmdline(p))
+    assert second != pgid
+    proc.kill()  # SIGKILL of trajgrad: no atexit, no finally
     proc.wait(timeout=30)
-    assert _wait_gone(pgid) == [], "vLLM processes outlived trajgrad"
+    assert _wait_gone(second) == [], "vLLM processes outlived trajgrad"
 
 
 def test_server_killed_mid_step_is_one_clear_error_and_nothing_trained(tmp_path):
     proc, run, pgid, lines = _start(tmp_path)
-    log = run / "vllm" / "vllm-server.log"
-    deadline = time.monotonic() + 300
-    while "POST /v1/completions" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    server = [p for p in _group(pgid) if p != pgid and "api_server" in _cmdline(p)]
-    assert server
-    os.kill(server[0], signal.SIGKILL)  # the server dies with requests in flight
+    _kill_server_mid_step(lines, pgid)  # the server dies with requests in flight
     out, _ = proc.communicate(timeout=120)
     text = "".join(lines) + out
     assert proc.returncode != 0

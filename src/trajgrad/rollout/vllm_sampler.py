@@ -167,6 +167,20 @@ class VLLMSampler(OpenAISampler):
             load_vllm_adapter(self.backend, last, self.policy_version)
 
     # ------------------------------------------------------------------ sampling
+    def _survive(self, exc: BaseException, lost: int, what: str) -> None:
+        """After a server death during ``what``: restart it, or raise :class:`ServerDied`."""
+        self.lost_episodes += lost
+        where = self.owned.log_path if self.owned is not None else self.base_url
+        tail = f"; last lines of its log:\n{self.owned.tail()}" if self.owned is not None else ""
+        if self.owned is None or self.restarts_left <= 0:
+            raise ServerDied(f"vllm: the server ({where}) died during {what}; {lost} episodes in flight were dropped "
+                             f"and nothing of them is trained ({exc}){tail}") from exc
+        self.restarts_left -= 1
+        self.server_restarts += 1
+        self.console(f"vllm: the server died during {what} ({lost} episodes dropped, never trained); restarting it "
+                     f"from the last synced weights{tail}")
+        self._restart()
+
     def rollout(self, source, tasks, *args, **kwargs):
         """:meth:`EpisodeRunner.rollout`; a server death is survived ``restarts`` times (module doc)."""
         while True:
@@ -176,18 +190,19 @@ class VLLMSampler(OpenAISampler):
                 if not self._server_dead():
                     raise
                 group = kwargs.get("group_size", args[0] if args else 1) or 1
-                lost = len(tasks) * int(group)
-                self.lost_episodes += lost
-                where = self.owned.log_path if self.owned is not None else self.base_url
-                tail = f"; last lines of its log:\n{self.owned.tail()}" if self.owned is not None else ""
-                if self.owned is None or self.restarts_left <= 0:
-                    raise ServerDied(f"vllm: the server ({where}) died during a rollout; {lost} episodes in flight "
-                                     f"were dropped and nothing of them is trained ({exc}){tail}") from exc
-                self.restarts_left -= 1
-                self.server_restarts += 1
-                self.console(f"vllm: the server died during a rollout ({lost} episodes dropped, never trained); "
-                             f"restarting it from the last synced weights{tail}")
-                self._restart()
+                self._survive(exc, len(tasks) * int(group), "a rollout")
+
+    def evaluate_on(self, source, tasks, *, temperature: float, seed: int):
+        """Held-out episodes (one per task) sampled by the server with the current weights at
+        ``temperature`` (no top-k / top-p); the training sampling settings are restored after."""
+        from .generation import SamplingSettings
+
+        kept = self.backend.settings
+        self.backend.settings = SamplingSettings.create(temperature, None, None, kept.max_new_tokens)
+        try:
+            return self.rollout(source, tasks, group_size=1, seed=seed)
+        finally:
+            self.backend.settings = kept
 
     def step_stats(self) -> Dict[str, float]:
         """Counts since the last call: ``rollout/lost_episodes``, ``rollout/server_restarts`` and the
@@ -205,7 +220,13 @@ class VLLMSampler(OpenAISampler):
         """Load ``model``'s weights into the server in place (LoRA adapter or full reload), reset its
         prefix cache, record ``version``; the previous synced directory is removed."""
         t0 = time.perf_counter()
-        out = super().sync_weights(model, version, save_dir)
+        try:
+            out = super().sync_weights(model, version, save_dir)
+        except (ConnectionError, ValueError) as exc:
+            if not self._server_dead():
+                raise
+            self._survive(exc, 0, "a weight sync")
+            out = super().sync_weights(model, version, save_dir)
         self.last_sync_seconds = time.perf_counter() - t0
         previous, self.last_synced = self.last_synced, out
         if previous is not None and previous != out:
