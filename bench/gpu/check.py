@@ -18,6 +18,13 @@ import time
 
 import torch
 
+DEVICE = "cuda"  # --device cpu: a smoke test of this script's code paths without a GPU
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
 
 def smollm2_shaped(dtype, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -29,7 +36,7 @@ def smollm2_shaped(dtype, seed=0):
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                       tie_word_embeddings=True, rope_theta=100000.0)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype=dtype, device="cuda").eval()
+    model = LlamaForCausalLM(cfg).to(dtype=dtype, device=DEVICE).eval()
     return model, tok
 
 
@@ -41,13 +48,13 @@ def agreement(dtype):
     from trajgrad.rollout import HFSampler
 
     tok = build_char_tokenizer()  # a vocabulary the character tokenizer covers
-    model = build_tiny_model(tok, hidden_size=256, layers=4, heads=4, seed=0).to(dtype=dtype, device="cuda").eval()
+    model = build_tiny_model(tok, hidden_size=256, layers=4, heads=4, seed=0).to(dtype=dtype, device=DEVICE).eval()
     source = get_task_source("calculator", max_turns=2)
     sampler = HFSampler(model, tok, temperature=0.7, top_p=0.9, max_new_tokens=32)
     trajs = sampler.rollout(source, source.tasks("train", 8, 0), group_size=4, seed=0)
     worst, n = 0.0, 0
     for t in trajs:
-        ids = torch.tensor([t.token_ids()], device="cuda")
+        ids = torch.tensor([t.token_ids()], device=DEVICE)
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, :-1].float()
         lp = token_logprobs(logits, ids[0, 1:], temperature=0.7, top_p=0.9).cpu()
@@ -68,13 +75,13 @@ def update_step(length, repeats):
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4)
     g = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, 49152, (32, length), generator=g).cuda()
-    mask = torch.zeros(32, length - 1, dtype=torch.bool, device="cuda")
+    ids = torch.randint(0, 49152, (32, length), generator=g).to(DEVICE)
+    mask = torch.zeros(32, length - 1, dtype=torch.bool, device=DEVICE)
     mask[:, length // 2:] = True
     head = model.get_output_embeddings().weight
     times = []
     for i in range(repeats + 1):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         for mb in range(0, 32, 8):  # micro-batches of 8, as the preset
             hidden = model(input_ids=ids[mb:mb + 8], output_hidden_states=True).hidden_states[-1][:, :-1]
@@ -83,10 +90,10 @@ def update_step(length, repeats):
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync()
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
+    return statistics.median(times), (torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else float("nan"))
 
 
 def kernel_memory(rows, vocab=49152, hidden=576):
@@ -96,17 +103,17 @@ def kernel_memory(rows, vocab=49152, hidden=576):
     for name in ("fused", "materialized"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        h = torch.randn(rows, hidden, device="cuda", requires_grad=True)
-        w = torch.randn(vocab, hidden, device="cuda", requires_grad=True) * 0.02
+        h = torch.randn(rows, hidden, device=DEVICE, requires_grad=True)
+        w = torch.randn(vocab, hidden, device=DEVICE, requires_grad=True) * 0.02
         w.retain_grad()
-        y = torch.randint(0, vocab, (rows,), device="cuda")
+        y = torch.randint(0, vocab, (rows,), device=DEVICE)
         base = torch.cuda.memory_allocated()
         if name == "fused":
             lp = fused_token_logprobs(h, w, y)
         else:
             lp = torch.log_softmax(h @ w.t(), dim=-1).gather(-1, y[:, None])[:, 0]
         lp.sum().backward()
-        torch.cuda.synchronize()
+        _sync()
         out[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
         del h, w, y, lp
     return out
@@ -116,7 +123,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=320)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        worst, n = agreement(torch.float32)
+        t, _ = update_step(args.length, args.repeats)
+        print(f"cpu smoke test: agreement {worst:.2e} over {n} tokens; update step {t:.2f} s")
+        return 0
     if not torch.cuda.is_available():
         print("SKIPPED: torch.cuda.is_available() is False")
         return 1
