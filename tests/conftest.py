@@ -64,6 +64,7 @@ def pytest_runtest_makereport(item, call):
     """With ``CI=true`` a skipped vLLM test (tests/test_vllm*.py) is a failure: CI builds .venv-vllm."""
     outcome = yield
     rep = outcome.get_result()
-    if rep.skipped and os.environ.get("CI", "").lower() == "true" and item.module.__name__.startswith("test_vllm"):
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    if rep.skipped and os.environ.get("CI", "").lower() == "true" and module.startswith("test_vllm"):
         rep.outcome = "failed"
         rep.longrepr = f"CI=true: the vLLM test was skipped ({rep.longrepr}); `make vllm` must provide .venv-vllm"
