@@ -68,21 +68,24 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--backends", default="hf,vllm", help="comma-separated: hf, vllm")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "vllm.md")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results = {}
-    for backend in ("hf", "vllm"):
+    for backend in args.backends.split(","):
         print(f"{backend}: {args.steps} steps ...", flush=True)
         results[backend] = _run(backend, args.steps, args.dtype, work)
     lines = [f"# trajgrad's sampler vs vLLM ({args.dtype})", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs, shared with other jobs (load average before/after each backend below).", "",
-             "```", f"PYTHONPATH=src python bench/bench_vllm.py --steps {args.steps} --dtype {args.dtype}", "```", "",
+             "```", f"PYTHONPATH=src python bench/bench_vllm.py --steps {args.steps} --dtype {args.dtype} --backends {args.backends}", "```", "",
              "Workload: the default preset (SmolLM2-135M-Instruct + LoRA r=8, calculator, GRPO, 8 prompts x 4 "
              "samples, T=0.7), max_turns 2. Per step: rollout of 32 episodes, update, weight sync (vLLM).", "",
              "| | trajgrad sampler (hf) | vLLM-CPU |", "| --- | ---: | ---: |"]
-    hf, vl = results["hf"], results["vllm"]
+    empty = {"rows": [], "built_s": float("nan"), "startup_s": [], "total_s": float("nan"),
+             "load_before": float("nan"), "load_after": float("nan")}
+    hf, vl = results.get("hf", empty), results.get("vllm", empty)
 
     def col(res, key, later=True):
         vals = [r.get(key) for r in (res["rows"][1:] if later else res["rows"][:1]) if r.get(key) is not None]
