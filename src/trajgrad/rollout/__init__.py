@@ -9,6 +9,8 @@
   action backend.
 * :mod:`~trajgrad.rollout.openai_backend`: :class:`OpenAIBackend` (an OpenAI-compatible
   server as action backend) and :class:`OpenAISampler`.
+* :mod:`~trajgrad.rollout.vllm_server`: :class:`VLLMServer` (a vLLM server process trajgrad owns)
+  and :mod:`~trajgrad.rollout.vllm_sampler`: :class:`VLLMSampler` (``rollout.backend: vllm``).
 * :mod:`~trajgrad.rollout.sampler`: :class:`HFSampler` = ``EpisodeRunner(HFBackend(...))``.
 * :mod:`~trajgrad.rollout.collate`: :func:`collate` -> :class:`RolloutBatch`.
 * :mod:`~trajgrad.rollout.chat`: ChatML prompt and observation tokens.
@@ -37,6 +39,8 @@ _LAZY = {
     "load_smollm2": "models",
     "OpenAISampler": "openai_backend",
     "OpenAIBackend": "openai_backend",
+    "VLLMSampler": "vllm_sampler",
+    "VLLMServer": "vllm_server",
 }
 
 __all__ = [

@@ -54,6 +54,7 @@ import torch
 from .chat import end_of_turn_id
 from .episodes import EpisodeRunner
 from .generation import Action, SamplingSettings
+from .._optional import require
 
 __all__ = ["OpenAIBackend", "OpenAISampler", "SERVERS"]
 
@@ -134,7 +135,7 @@ class OpenAIBackend:
         self._context_known = max_context_tokens is not None
         self.loaded_adapter: Optional[str] = None  # vLLM: the adapter the last sync loaded
         if client is None:
-            import httpx
+            httpx = require("httpx", "rollout.backend: openai")
 
             client = httpx.Client(timeout=self.timeout)
             self._own_client = True
@@ -169,7 +170,8 @@ class OpenAIBackend:
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _send(self, method: str, path: str, body: Optional[Dict[str, Any]] = None):
+    def send(self, method: str, path: str, body: Optional[Dict[str, Any]] = None):
+        """One HTTP request to the server; the ``httpx`` response (ConnectionError when unreachable)."""
         import httpx
 
         try:
@@ -181,12 +183,13 @@ class OpenAIBackend:
             raise ConnectionError(f"server: cannot reach {where} ({exc})") from exc
 
     def post(self, path: str, body: Dict[str, Any]) -> Any:
-        return self._json(self._send("POST", path, body), path)
+        return self.json_of(self.send("POST", path, body), path)
 
     def get(self, path: str) -> Any:
-        return self._json(self._send("GET", path), path)
+        return self.json_of(self.send("GET", path), path)
 
-    def _json(self, resp, path: str) -> Any:
+    def json_of(self, resp, path: str) -> Any:
+        """The JSON body of ``resp``; ValueError quoting the server's message for a status >= 400."""
         try:
             body = resp.json()
         except ValueError:
@@ -201,6 +204,9 @@ class OpenAIBackend:
                     msg = err
                 msg = msg or body.get("message") or body.get("detail")
             msg = msg or resp.text[:500]
+            if self.server == "vllm" and resp.status_code >= 500:  # measured on vLLM 0.32's CPU build
+                msg += (" (vLLM's CPU build dies on seeded requests whose prefill is chunked, 'CPU Generator does "
+                        "not use offset' in its log: start it with --no-enable-chunked-prefill, docs/serving.md)")
             raise ValueError(f"server: the {self.server} server answered {resp.status_code} to {path}: {msg}")
         if body is None:
             raise ValueError(f"server: the {self.server} server sent a non-JSON answer to {path}: {resp.text[:200]!r}")
@@ -387,9 +393,9 @@ class OpenAIBackend:
 
     def post_text(self, path: str, body: Dict[str, Any]) -> Any:
         """POST to an endpoint that may answer plain text on success (vLLM's LoRA routes)."""
-        resp = self._send("POST", path, body)
+        resp = self.send("POST", path, body)
         if resp.status_code >= 400:
-            return self._json(resp, path)
+            return self.json_of(resp, path)
         return resp.text
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..weights import is_peft, save_trainable, unwrap
 
-__all__ = ["sync_server_weights"]
+__all__ = ["sync_server_weights", "load_vllm_adapter", "reload_vllm_weights", "reset_vllm_prefix_cache"]
 
 
 def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
@@ -28,10 +28,9 @@ def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.Pa
       by ``named_parameters()`` name (trajgrad server); the full Hugging Face
       checkpoint (``save_pretrained``) for SGLang.
 
-    Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM (LoRA only):
-    ``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}``
-    (the server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``),
-    later requests name that adapter and the previous one is unloaded; SGLang:
+    Then, per server: trajgrad: ``POST /reload {"path", "version"}``; vLLM: a LoRA model
+    through :func:`load_vllm_adapter`, other models through :func:`reload_vllm_weights` (the
+    full checkpoint, ``save_pretrained``), then :func:`reset_vllm_prefix_cache`; SGLang:
     ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (a LoRA model is
     merged into a copy of its base first).
 
@@ -62,21 +61,13 @@ def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.Pa
                 f"server: the trajgrad server reports policy_version {served!r} after /reload, not {version}"
             )
     elif backend.server == "vllm":
-        if not peft:
-            raise ValueError(
-                "model: vLLM loads new weights at run time only as LoRA adapters (/v1/load_lora_adapter); "
-                "train with LoRA, or restart vLLM on the saved checkpoint"
-            )
-        model.save_pretrained(str(out))
-        name = f"{backend.lora_name}-v{version}"
-        backend.post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
-        previous, backend.loaded_adapter = backend.loaded_adapter, name
-        backend.request_model = name
-        if previous is not None and previous != name:
-            try:  # best effort: an unloaded old adapter only costs server memory
-                backend.post_text("/v1/unload_lora_adapter", {"lora_name": previous})
-            except (ValueError, ConnectionError):
-                pass
+        if peft:
+            model.save_pretrained(str(out))
+            load_vllm_adapter(backend, out, version)
+        else:
+            model.save_pretrained(str(out), safe_serialization=True)
+            reload_vllm_weights(backend, out)
+        reset_vllm_prefix_cache(backend)
     else:  # sglang
         if peft:
             import copy
@@ -90,3 +81,46 @@ def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.Pa
         if isinstance(data, dict) and data.get("success") is False:
             raise ValueError(f"server: the sglang server refused the weights: {data.get('message')}")
     return out
+
+
+def load_vllm_adapter(backend, path: Path, version: int) -> None:
+    """``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}`` (the
+    server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``); later requests
+    name that adapter and the previous one is unloaded."""
+    name = f"{backend.lora_name}-v{version}"
+    try:
+        backend.post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    except ValueError as exc:
+        raise ValueError(f"{exc} (vLLM loads adapters at run time only when started with --enable-lora and "
+                         f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") from None
+    previous, backend.loaded_adapter = backend.loaded_adapter, name
+    backend.request_model = name
+    if previous is not None and previous != name:
+        try:  # best effort: an unloaded old adapter only costs server memory
+            backend.post_text("/v1/unload_lora_adapter", {"lora_name": previous})
+        except (ValueError, ConnectionError):
+            pass
+
+
+def reload_vllm_weights(backend, path: Path) -> None:
+    """Replace every weight of the served model in place from the checkpoint at ``path``:
+    ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": path}}`` (vLLM's
+    in-place reload; the route exists when the server runs with ``VLLM_SERVER_DEV_MODE=1``)."""
+    resp = backend.send("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+    if resp.status_code == 404:
+        raise ValueError("server: the vllm server has no /collective_rpc route; start it with VLLM_SERVER_DEV_MODE=1 "
+                         "(full-weight sync reloads the weights in place through it), or train with LoRA")
+    if resp.status_code >= 400:
+        backend.json_of(resp, "/collective_rpc")
+
+
+def reset_vllm_prefix_cache(backend) -> None:
+    """``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``): no cached keys/values of the old
+    weights are reused. A server without the route (404) is told to the caller as a ValueError."""
+    resp = backend.send("POST", "/reset_prefix_cache", None)
+    if resp.status_code == 404:
+        raise ValueError("server: the vllm server has no /reset_prefix_cache route; start it with "
+                         "VLLM_SERVER_DEV_MODE=1 so that cached keys/values of old weights are dropped at each sync")
+    data = backend.json_of(resp, "/reset_prefix_cache")
+    if isinstance(data, dict) and data.get("success") is False:
+        raise ValueError("server: the vllm server could not reset its prefix cache (requests still running)")

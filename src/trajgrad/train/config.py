@@ -161,21 +161,38 @@ class ProxyConfig(_Strict):
     concurrency: int = Field(8, ge=1, description="agent episodes run at once (their calls are batched)")
 
 
-class RolloutConfig(_Strict):
-    """Where rollouts come from: in-process Hugging Face sampling, an OpenAI-compatible server, or an
-    external agent through the chat proxy."""
+class VLLMConfig(_Strict):
+    """``rollout.backend: vllm``: the vLLM server trajgrad starts and stops (trajgrad.rollout.vllm_server)."""
 
-    backend: Literal["hf", "openai", "proxy"] = Field(
+    python: Optional[str] = Field(None, description="the interpreter that has vLLM; None = .venv-vllm/bin/python "
+                                  "(make vllm)")
+    startup_timeout_s: float = Field(600.0, gt=0, description="seconds to wait for the server's /health")
+    max_model_len: Optional[int] = Field(None, ge=16, description="--max-model-len; None = the model's")
+    kv_cache_gb: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE (CPU build: GiB of KV cache)")
+    extra_args: List[str] = Field([], description="more server arguments, appended verbatim")
+    restarts: int = Field(1, ge=0, description="a server that dies mid-run is restarted this many times from the "
+                          "last synced weights; the next death ends the run")
+
+
+class RolloutConfig(_Strict):
+    """Where rollouts come from: in-process Hugging Face sampling, an OpenAI-compatible server, a vLLM
+    server trajgrad runs, or an external agent through the chat proxy."""
+
+    backend: Literal["hf", "openai", "vllm", "proxy"] = Field(
         "hf", description="hf = in-process sampling with the policy; openai = an OpenAI-compatible server at "
+        "base_url; vllm = a vLLM server this run starts and owns (rollout.vllm; make vllm), or attaches to at "
         "base_url; proxy = an external agent (rollout.proxy.agent) talking to the served policy")
-    base_url: Optional[str] = Field(None, description="server URL for backend 'openai', e.g. http://127.0.0.1:8000")
+    base_url: Optional[str] = Field(None, description="server URL for backend 'openai' (or 'vllm': attach to that "
+                                    "running vLLM server instead of starting one), e.g. http://127.0.0.1:8000")
     server: Literal["trajgrad", "vllm", "sglang"] = Field(
-        "trajgrad", description="the kind of server at base_url (how its token log-probs are requested)")
+        "trajgrad", description="the dialect of backend 'openai': trajgrad serve, a running vLLM server (tested "
+        "against vLLM 0.32's CPU build), or SGLang (untested: no SGLang build was run against it)")
     model_name: Optional[str] = Field(None, description="model name the server serves (default: the model's name)")
     template_mismatch: Literal["error", "truncate"] = Field(
         "error", description="when the chat template re-renders the history differently from the sampled tokens: "
         "error = raise, truncate = end the episode as truncated (counted; never trained)")
     proxy: ProxyConfig = ProxyConfig()
+    vllm: VLLMConfig = VLLMConfig()
 
 
 class RecipeConfig(_Strict):

@@ -197,6 +197,9 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
+    if cfg.rollout.backend == "vllm" and m.path is None and m.name == "tiny":
+        errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
+                   "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
     if cfg.rollout.backend == "proxy":
         from .proxy import check_proxy_config
 
@@ -509,9 +512,12 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
     rules = [
         ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
          ("asynchronous.enabled",)),
-        ("rollout.", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'",
+        ("rollout.vllm.", cfg.rollout.backend != "vllm", "has no effect unless rollout.backend is 'vllm'", ()),
+        ("rollout.server", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'", ()),
+        ("rollout.", cfg.rollout.backend not in ("openai", "vllm"),
+         "has no effect unless rollout.backend is 'openai' or 'vllm'",
          ("rollout.backend", "rollout.template_mismatch", "rollout.proxy.agent", "rollout.proxy.reward_timeout_s",
-          "rollout.proxy.concurrency")),
+          "rollout.proxy.concurrency", "rollout.vllm.")),
         ("rollout.proxy.", cfg.rollout.backend != "proxy", "has no effect unless rollout.backend is 'proxy'", ()),
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),
@@ -547,7 +553,8 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
     ]
     for key in keys:
         for prefix, inactive, msg, exempt in rules:
-            if inactive and (key == prefix or key.startswith(prefix)) and key not in exempt:
+            exempted = key in exempt or any(e.endswith(".") and key.startswith(e) for e in exempt)
+            if inactive and (key == prefix or key.startswith(prefix)) and not exempted:
                 if _changed(cfg, key, default):
                     errors.add(key, msg)
         if key.startswith("recipe.overrides."):

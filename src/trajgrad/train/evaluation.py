@@ -76,8 +76,12 @@ def _evaluate(trainer, tag: str) -> EvalResult:
         tasks = tasks[:cfg.eval.during_n]
     agent_eval = getattr(trainer.sampler, "evaluate", None)
     mixture = getattr(trainer, "mixture", None)  # several environments (refused with the proxy's agent)
+    server_eval = getattr(trainer.sampler, "evaluate_on", None)
     if agent_eval is not None:  # rollout.backend proxy: the external agent on the held-out tasks
         trajs = agent_eval(tasks, temperature=cfg.eval.temperature, seed=step_seed(cfg.train.seed, 0, 99))
+    elif server_eval is not None:  # rollout.backend vllm: the server samples with the synced weights
+        trajs = server_eval(trainer.source, tasks, temperature=cfg.eval.temperature,
+                            seed=step_seed(cfg.train.seed, 0, 99))
     else:
         sampler = HFSampler(model, trainer.tokenizer, temperature=cfg.eval.temperature, top_k=None, top_p=None,
                             max_new_tokens=cfg.sampling.max_new_tokens, policy_version=trainer.policy_version)

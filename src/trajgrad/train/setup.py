@@ -144,8 +144,11 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     return teacher
 
 
-def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_dir=None):
-    """The rollout backend: the in-process :class:`HFSampler`, or an OpenAI-compatible server.
+def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_dir=None, *, work_dir=None,
+                  console=print):
+    """The rollout backend: the in-process :class:`HFSampler`, an OpenAI-compatible server, or a
+    vLLM server this run starts under ``work_dir`` (``rollout.backend: vllm``; with
+    ``rollout.base_url``: the running vLLM server there).
 
     Either renders conversations with the model's chat template; ``rollout.template_mismatch``
     says what a template that re-renders the history differently does. A proxy agent's
@@ -161,11 +164,25 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
 
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
+        if cfg.rollout.server == "sglang":
+            console("rollout.server 'sglang': untested (no SGLang build was run against it; docs/serving.md)")
         served = cfg.rollout.model_name or (cfg.model.path if cfg.model.path is not None else cfg.model.name)
         sampler = OpenAISampler(cfg.rollout.base_url, tokenizer, model_name=served,
                                 temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                                 max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                                 server=cfg.rollout.server)
+    elif cfg.rollout.backend == "vllm":
+        from pathlib import Path
+
+        from ..rollout.vllm_sampler import VLLMSampler
+
+        v = cfg.rollout.vllm
+        sampler = VLLMSampler(model, tokenizer, work_dir=Path(work_dir if work_dir is not None else "vllm"),
+                              base_url=cfg.rollout.base_url, model_name=cfg.rollout.model_name or "policy",
+                              python=v.python, startup_timeout_s=v.startup_timeout_s, max_model_len=v.max_model_len,
+                              kv_cache_gb=v.kv_cache_gb, extra_args=v.extra_args, restarts=v.restarts,
+                              console=console, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens, policy_version=policy_version)
     else:
         sampler = HFSampler(model, tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
                             max_new_tokens=s.max_new_tokens, policy_version=policy_version)

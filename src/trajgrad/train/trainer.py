@@ -101,7 +101,8 @@ class Trainer:
         # consecutive steps without a learning signal: warned, logged, or the run ends (train.learning_signal)
         self.signal_watch = NoSignalWatch(self.objective, cfg.train.no_signal_steps, cfg.train.stop_on_no_signal)
         self.stop_reason: Optional[str] = None
-        self.sampler = build_sampler(cfg, self.model, self.tokenizer, run_dir=self.run_dir if self.is_main else None)
+        self.sampler = build_sampler(cfg, self.model, self.tokenizer, run_dir=self.run_dir if self.is_main else None,
+                                     work_dir=self.run_dir / "vllm", console=self.console)
         name = "trajectories.jsonl" if self.world == 1 else f"trajectories.rank{self.rank}.jsonl"
         self.traj_log = TrajectoryLog(self.run_dir / name)
         self.step = 0
@@ -258,7 +259,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """A new policy version: an external server receives the weights (documented sync step)."""
-        if self.cfg.rollout.backend == "openai":
+        if self.cfg.rollout.backend in ("openai", "vllm"):
             if self.is_main:
                 self.sampler.sync_weights(self.model, self.policy_version, self.run_dir / "weights-sync")
             dist_lib.barrier()
