@@ -61,7 +61,7 @@ TASKS: Dict[str, Dict[str, Any]] = {
     # the main job, unchanged
     "calculator": {},
     # three dependent tool calls (lookup -> fetch -> calc), reward only for the final answer
-    "chain": {"task.name": "chain", "task.options": {"max_turns": 4}, "sampling.max_new_tokens": 32},
+    "chain": {"task.name": "chain", "task.options": {}},
     # number guessing with higher/lower feedback, a gymnasium env through the gymnasium adapter
     "game": {"task.name": "higher_lower", "task.options": {}, "sampling.max_new_tokens": 16},
 }
