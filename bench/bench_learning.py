@@ -205,7 +205,7 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
         base = AsyncTrainer
     stamp = datetime.datetime.now(datetime.timezone.utc)
     run_dir = Path(run_root) / f"{cfg.name}-{stamp.strftime('%Y%m%d-%H%M%S')}"
-    load_start = _load()
+    load_start, commit = _load(), _commit()
     t0 = time.perf_counter()
     trainer = _timed_trainer(base)(cfg, run_dir, console=console, budget_s=None if minutes is None else minutes * 60)
     setup_s = time.perf_counter() - t0
@@ -215,7 +215,7 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
     trainer.run()
     before = trainer.evals["before"]
     record: Dict[str, Any] = {
-        "task": task, "recipe": recipe, "seed": int(seed), "commit": _commit(),
+        "task": task, "recipe": recipe, "seed": int(seed), "commit": commit,
         "started_utc": stamp.strftime("%Y-%m-%d %H:%M:%S"), "task_name": cfg.task.name,
         "task_options": cfg.task.options, "recipe_name": cfg.recipe.name, "overrides": sets or {},
         "heldout_distinct": distinct, "before": _side(before), "setup_s": round(setup_s, 1),
