@@ -190,6 +190,8 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
              sets: Optional[Dict[str, Any]] = None, run_root: Path = Path("runs") / "learning",
              results: Path = RESULTS, base_only: bool = False, console=print) -> Dict[str, Any]:
     """Run one cell and append its JSON line to ``results``; returns the record."""
+    import torch
+
     from trajgrad.train.trainer import Trainer
 
     if minutes is not None and not minutes > 0:
@@ -220,6 +222,7 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
         "task_options": cfg.task.options, "recipe_name": cfg.recipe.name, "overrides": sets or {},
         "heldout_distinct": distinct, "before": _side(before), "setup_s": round(setup_s, 1),
         "eval_before_s": round(trainer.phase["eval_before_s"], 1), "load_start": load_start,
+        "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_end": _load(), "run_dir": str(run_dir),
         "command": " ".join(shlex.quote(a) for a in sys.argv) if sys.argv and sys.argv[0] else None,
     }
@@ -275,7 +278,9 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
              "Wall time: from the start of the run to its last update (SFT warm start and evaluations during",
              "training included), without the before/after evaluations (listed separately). Load average:",
              "the machine's 1-minute load at the start / mean over steps / end (2 cores; above 2, other",
-             "jobs shared the CPU and the times are stretched by them).", "",
+             "jobs shared the CPU and the times are stretched by them). Threads: torch's intra-op threads of the cell",
+             "(2 by default on this machine; 1 with `OMP_NUM_THREADS=1`, which wastes less CPU when the machine is",
+             "oversubscribed).", "",
              "Each row is one command: `PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py "
              "--task TASK --recipe RECIPE --seed SEED` (its exact arguments are in "
              "`bench/results/learning.jsonl`); this section is rebuilt by `bench/bench_learning.py --report`.", ""]
@@ -292,15 +297,15 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
         rows = [r for r in cells if r["task"] == task]
         lines += [f"### {task}", "",
                   "| recipe | seed | steps | before | after | improved / worsened | McNemar p | wall time | SFT | "
-                  "eval before / after | tokens sampled | load average | commit |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "eval before / after | tokens sampled | load average | threads | commit |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in sorted(rows, key=lambda r: (r["recipe"], r["seed"], r["started_utc"])):
             m = r["mcnemar"]
             lines.append(
                 f"| {r['recipe']} | {r['seed']} | {r['steps']} | {_pct(r['before'])} | {_pct(r['after'])} | "
                 f"{m['improved']} / {m['worsened']} | {m['p']:.2g} | {r['wall_s'] / 60:.1f} min | {r['sft_s']:.0f} s | "
                 f"{r['eval_before_s']:.0f} s / {r['eval_after_s']:.0f} s | {r['tokens_sampled']:,} | "
-                f"{_load_text(r)} | {r['commit']} |")
+                f"{_load_text(r)} | {r.get('torch_threads', '?')} | {r['commit']} |")
         lines.append("")
     if plot:
         lines += [f"![held-out success vs wall time per recipe]({plot})", ""]
