@@ -60,8 +60,9 @@ MIN_HELDOUT = 64
 TASKS: Dict[str, Dict[str, Any]] = {
     # the main job, unchanged
     "calculator": {},
-    # three dependent tool calls (lookup -> fetch -> calc), reward only for the final answer
-    "chain": {"task.name": "chain", "task.options": {}},
+    # three dependent tool calls (lookup -> fetch -> calc), reward only for the final answer; two worked
+    # examples (with the env's default of one, SmolLM2's base rate was 0/64: it answered with the code)
+    "chain": {"task.name": "chain", "task.options": {"examples": 2}},
     # number guessing with higher/lower feedback, a gymnasium env through the gymnasium adapter
     "game": {"task.name": "higher_lower", "task.options": {}, "sampling.max_new_tokens": 16},
 }

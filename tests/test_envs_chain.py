@@ -92,6 +92,8 @@ def test_reset_prompt_has_the_example_as_chat_turns():
     msgs = src.make_env().reset(task)
     assert [m["role"] for m in msgs] == ["user"] + ["assistant", "user"] * 3 + ["assistant", "user"]
     assert msgs[-1]["content"] == task.prompt
+    two = get_task_source("chain", examples=2).make_env().reset(task)
+    assert len(two) == len(msgs) + 8 and two[:8] == msgs[:8] and "pear" in two[8]["content"]
     assert get_task_source("chain", system_prompt=None).make_env().reset(task)[0]["role"] == "system"
     assert get_task_source("chain", few_shot=False).make_env().reset(task) == [{"role": "user", "content": task.prompt}]
 
@@ -106,6 +108,8 @@ def test_tasks_distinct_for_any_seed(seed, split):
 def test_bad_options_and_arguments():
     with pytest.raises(ValueError, match="max_turns"):
         ChainConfig(max_turns=3)
+    with pytest.raises(ValueError, match="examples"):
+        ChainConfig(examples=3)
     with pytest.raises(ValueError, match="distractors"):
         get_task_source("chain", distractors=9)
     with pytest.raises(ValueError, match="heldout_fraction"):

@@ -49,8 +49,8 @@ ITEMS = ("apple", "kiwi", "mango", "lemon", "peach", "plum", "grape", "melon", "
          "ginger", "radish", "walnut", "almond", "cashew", "hazel", "cocoa", "coffee", "tea", "honey",
          "butter", "cheese", "bread", "rice", "pasta", "flour", "sugar", "salt", "basil", "mint", "sage",
          "thyme", "cumin", "clove", "nutmeg", "vanilla")
-_EXAMPLE = {"item": "apple", "code": 512, "value": 38, "op": "*", "operand": 4,
-            "directory": {"apple": 512, "pear": 274}, "records": {512: 38, 274: 61}}
+_EXAMPLES = ({"item": "apple", "code": 512, "op": "*", "operand": 4, "records": {512: 38}},
+             {"item": "pear", "code": 274, "op": "+", "operand": 57, "records": {274: 61}})
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ class ChainConfig:
       max_turns: assistant turns before the episode ends as a failure (>= 4).
       distractors: other items in each task's directory (0..5).
       heldout_fraction: fraction of the task-hash space assigned to ``heldout``.
-      few_shot: include the one-shot example (as chat turns) in ``reset``.
+      few_shot: include the worked examples (as chat turns) in ``reset``.
+      examples: how many worked examples ``few_shot`` shows (1 or 2). SmolLM2-135M-Instruct
+        with one example looks the item up, then answers with its code: 0/64 held-out.
       system_prompt: ``None`` for the built-in instructions, a string to replace them,
         ``""`` for no system message.
     """
@@ -70,6 +72,7 @@ class ChainConfig:
     distractors: int = 2
     heldout_fraction: float = 0.2
     few_shot: bool = True
+    examples: int = 1
     system_prompt: Optional[str] = ""
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class ChainConfig:
             raise ValueError(f"distractors: expected an integer in [0, 5], got {self.distractors!r}")
         if not 0.0 < float(self.heldout_fraction) < 1.0:
             raise ValueError(f"heldout_fraction: expected a number in (0, 1), got {self.heldout_fraction}")
+        if self.examples not in (1, 2) or isinstance(self.examples, bool):
+            raise ValueError(f"examples: expected 1 or 2, got {self.examples!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt: expected a string or None, got {type(self.system_prompt).__name__}")
 
@@ -157,9 +162,9 @@ class ChainEnv:
         system = _INSTRUCTIONS if self.config.system_prompt is None else self.config.system_prompt
         messages: List[Message] = [{"role": "system", "content": system}] if system else []
         if self.config.few_shot:
-            ex = _EXAMPLE
-            messages.append({"role": "user", "content": _question(ex["item"], ex["op"], ex["operand"])})
-            messages += _exchange(ex)
+            for ex in _EXAMPLES[:self.config.examples]:
+                messages.append({"role": "user", "content": _question(ex["item"], ex["op"], ex["operand"])})
+                messages += _exchange(ex)
         messages.append({"role": "user", "content": task.prompt})
         return messages
 
