@@ -67,6 +67,13 @@ TASKS: Dict[str, Dict[str, Any]] = {
     "game": {"task.name": "higher_lower", "task.options": {}, "sampling.max_new_tokens": 16},
 }
 
+# Each change of a task after its base rate was first measured (the issue allows one), for the report.
+TASK_CHANGES: Dict[str, str] = {
+    "chain": ("first measured with the environment's default of one worked example (`{}`): 0/64, below the "
+              "5% floor; greedy SmolLM2 looked the item up, then answered with its code. Changed once: two worked "
+              "examples (`{\"examples\": 2}`)."),
+}
+
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
 RECIPES: Dict[str, Dict[str, Any]] = {
     "default": {},
@@ -287,6 +294,7 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
              "`bench/results/learning.jsonl`); this section is rebuilt by `bench/bench_learning.py --report`.", ""]
     if bases:
         lines += ["### Base rates (untrained SmolLM2, greedy, held-out)", "",
+                  "Command: `bench/bench_learning.py --task TASK --base` (the before-evaluation of a cell, no training).", "",
                   "| task | source and options | held-out success | commit | date (UTC) | load average |",
                   "| --- | --- | ---: | --- | --- | ---: |"]
         for r in bases:
@@ -294,6 +302,9 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
             lines.append(f"| {r['task']} | `{r['task_name']}` `{opts}` | {_pct(r['before'])} | {r['commit']} | "
                          f"{r['started_utc']} | {_load_text(r)} |")
         lines.append("")
+        for task in dict.fromkeys(r["task"] for r in bases):
+            if task in TASK_CHANGES:
+                lines += [f"{task}: {TASK_CHANGES[task]}", ""]
     for task in dict.fromkeys(r["task"] for r in cells):
         rows = [r for r in cells if r["task"] == task]
         lines += [f"### {task}", "",
