@@ -64,7 +64,10 @@ TASKS: Dict[str, Dict[str, Any]] = {
     # examples (with the env's default of one, SmolLM2's base rate was 0/64: it answered with the code)
     "chain": {"task.name": "chain", "task.options": {"examples": 2}},
     # number guessing with higher/lower feedback, a gymnasium env through the gymnasium adapter
-    "game": {"task.name": "higher_lower", "task.options": {}, "sampling.max_new_tokens": 16},
+    # (with the example described inside the first message only, `{}`, SmolLM2's base rate was 0/64: it
+    # replied in prose without a number)
+    "game": {"task.name": "higher_lower", "task.options": {"example": False, "example_turns": True},
+             "sampling.max_new_tokens": 16},
 }
 
 # Each change of a task after its base rate was first measured (the issue allows one), for the report.
@@ -72,6 +75,10 @@ TASK_CHANGES: Dict[str, str] = {
     "chain": ("first measured with the environment's default of one worked example (`{}`): 0/64, below the "
               "5% floor; greedy SmolLM2 looked the item up, then answered with its code. Changed once: two worked "
               "examples (`{\"examples\": 2}`)."),
+    "game": ("first measured with the example game described inside the first message (`{}`): 0/64, below the "
+             "5% floor; greedy SmolLM2 replied in prose without a number (\"I'm ready to help. What's the secret "
+             "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
+             "before the first message instead (`{\"example\": false, \"example_turns\": true}`)."),
 }
 
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).

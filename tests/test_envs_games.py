@@ -93,3 +93,16 @@ def test_bad_options():
         GameConfig(heldout_fraction=0.0)
     with pytest.raises(ValueError, match="split"):
         get_task_source("higher_lower").tasks("dev", 1, 0)
+
+
+def test_example_game_as_chat_turns():
+    src = get_task_source("higher_lower", example=False, example_turns=True, system_prompt="Play.")
+    task = src.tasks("heldout", 1, 0)[0]
+    env = src.make_env()
+    msgs = env.reset(task)
+    assert [m["role"] for m in msgs] == ["system", "user"] + ["assistant", "user"] * 3 + ["user"]
+    assert msgs[-1]["content"] == task.prompt and "Example" not in task.prompt
+    assert msgs[2:8:2] == [{"role": "assistant", "content": g} for g in ("10", "5", "7")]
+    assert msgs[7]["content"].startswith("Correct!")
+    # stepping is the adapter's: the gymnasium env answers
+    assert env.step(str(task.answer)).info["success"] is True

@@ -36,7 +36,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .adapters.gym import GymSource
+from .adapters.gym import GymEnvironment, GymSource
 from .base import Message, Task, register_task_source
 from .splits import check_task_request, hash_split
 
@@ -55,7 +55,10 @@ class GameConfig:
       lows: the range starts at 1 .. lows (>= 1).
       max_turns: guesses per game (>= 1).
       heldout_fraction: fraction of the games held out.
-      example: show a short example game in the first message.
+      example: describe a short example game inside the first message.
+      example_turns: play a whole example game (range 1 to 20) as chat turns before the
+        first message. Greedy SmolLM2-135M-Instruct with the inline example only replies
+        in prose without a number (0/64 held-out).
       system_prompt: an optional system message.
     """
 
@@ -64,6 +67,7 @@ class GameConfig:
     max_turns: int = 5
     heldout_fraction: float = 0.2
     example: bool = True
+    example_turns: bool = False
     system_prompt: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -84,6 +88,26 @@ def game_of_seed(seed: int, width: int, lows: int) -> Tuple[int, int]:
     g = (int(seed) * _MULT) % (lows * width)
     low = 1 + g // width
     return low, low + g % width
+
+
+def _feedback(guess: Optional[int], low: int, high: int, secret: int) -> str:
+    if guess == secret:
+        return f"Correct! The secret was {secret}."
+    if guess is None:
+        return f"Reply with one number from {low} to {high}."
+    if not low <= guess <= high:
+        return f"{guess} is not between {low} and {high}. Guess again."
+    if guess < secret:
+        return f"{guess} is too low. The secret is higher. Guess again."
+    return f"{guess} is too high. The secret is lower. Guess again."
+
+
+def _example_turns() -> List[Message]:
+    """A whole example game as chat turns: range 1 to 20, secret 7, guesses 10, 5, 7."""
+    out: List[Message] = [{"role": "user", "content": _opening(1, 20, False)}]
+    for guess in (10, 5, 7):
+        out += [{"role": "assistant", "content": str(guess)}, {"role": "user", "content": _feedback(guess, 1, 20, 7)}]
+    return out
 
 
 def _opening(low: int, high: int, example: bool) -> str:
@@ -130,17 +154,10 @@ def _env_class():
             match = _INT.search(action)
             guess = int(match.group()) if match else None
             info: Dict[str, Any] = {"guess": guess}
+            obs = _feedback(guess, self.low, self.high, self.secret)
             if guess == self.secret:
                 info["success"] = True
-                return f"Correct! The secret was {self.secret}.", 1.0, True, False, info
-            if guess is None:
-                obs = f"Reply with one number from {self.low} to {self.high}."
-            elif not self.low <= guess <= self.high:
-                obs = f"{guess} is not between {self.low} and {self.high}. Guess again."
-            elif guess < self.secret:
-                obs = f"{guess} is too low. The secret is higher. Guess again."
-            else:
-                obs = f"{guess} is too high. The secret is lower. Guess again."
+                return obs, 1.0, True, False, info
             truncated = self.turns >= self.max_turns
             if truncated:
                 info["success"] = False
@@ -152,6 +169,14 @@ def _env_class():
 def make_higher_lower_env(**kwargs: Any):
     """A new ``HigherLowerEnv`` (``gymnasium.Env``); keyword arguments: width, lows, max_turns, example."""
     return _env_class()(**kwargs)
+
+
+class _WithExampleGame(GymEnvironment):
+    """The adapter's environment with an example game as chat turns before the first observation."""
+
+    def reset(self, task: Task) -> List[Message]:
+        msgs = super().reset(task)
+        return msgs[:-1] + _example_turns() + msgs[-1:]
 
 
 @register_task_source("higher_lower")
@@ -169,6 +194,12 @@ class HigherLowerSource(GymSource):
                                                        example=cfg.example),
                          max_turns=cfg.max_turns, system_prompt=cfg.system_prompt)
         self.env_name = "higher_lower"
+
+    def make_env(self, **kwargs: Any) -> GymEnvironment:
+        env = super().make_env(**kwargs)
+        if not self.config.example_turns:
+            return env
+        return _WithExampleGame(env.env, max_turns=env.max_turns, system_prompt=env.system_prompt, name=env.name)
 
     def split_of(self, seed: int) -> str:
         low, secret = game_of_seed(seed, self.config.width, self.config.lows)
@@ -199,6 +230,5 @@ class HigherLowerSource(GymSource):
             out.append({"role": "assistant", "content": str(k)})
             if k == secret:
                 return out
-            out.append({"role": "user", "content": f"{k} is too {'low' if k < secret else 'high'}. "
-                                                   f"The secret is {'higher' if k < secret else 'lower'}. Guess again."})
+            out.append({"role": "user", "content": _feedback(k, low, low + self.config.width - 1, secret)})
             lo, hi = (k + 1, hi) if k < secret else (lo, k - 1)
