@@ -74,7 +74,10 @@ TASKS: Dict[str, Dict[str, Any]] = {
 TASK_CHANGES: Dict[str, str] = {
     "chain": ("first measured with the environment's default of one worked example (`{}`): 0/64, below the "
               "5% floor; greedy SmolLM2 looked the item up, then answered with its code. Changed once: two worked "
-              "examples (`{\"examples\": 2}`)."),
+              "examples (`{\"examples\": 2}`), which also measured 0/64: greedy SmolLM2 now looked up, skipped the fetch "
+              "and computed on the code (`<lookup>lemon</lookup>`, `<calc>689 + 53</calc>`, `<answer>742</answer>` in "
+              "each of 3 episodes inspected), the middle step that credit across turns has to teach. The chain stays "
+              "below the band and is not changed again (the issue allows one change)."),
     "game": ("first measured with the example game described inside the first message (`{}`): 0/64, below the "
              "5% floor; greedy SmolLM2 replied in prose without a number (\"I'm ready to help. What's the secret "
              "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
