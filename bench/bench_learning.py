@@ -81,7 +81,8 @@ TASK_CHANGES: Dict[str, str] = {
     "game": ("first measured with the example game described inside the first message (`{}`): 0/64, below the "
              "5% floor; greedy SmolLM2 replied in prose without a number (\"I'm ready to help. What's the secret "
              "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
-             "before the first message instead (`{\"example\": false, \"example_turns\": true}`)."),
+             "before the first message instead (`{\"example\": false, \"example_turns\": true}`), which measured 5/64 "
+             "= 7.8%, inside the band."),
 }
 
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
