@@ -48,7 +48,7 @@ def test_one_cell_end_to_end_and_the_report(tmp_path):
     m = rec["mcnemar"]
     assert m["improved"] - m["worsened"] == rec["after"]["successes"] - rec["before"]["successes"]
     assert m["p"] == mcnemar_exact_test(m["improved"], m["worsened"])
-    assert rec["tokens_sampled"] > 0 and rec["wall_s"] > 0 and rec["eval_before_s"] >= 0 and rec["setup_s"] > 0
+    assert rec["tokens_sampled"] > 0 and rec["wall_s"] >= 0 and rec["eval_before_s"] >= 0 and rec["setup_s"] > 0
     assert rec["sft_s"] == 0 and rec["task_name"] == "calculator" and len(rec["load_start"]) == 3
     # the run directory is a normal trajgrad run
     assert (Path(rec["run_dir"]) / "summary.json").exists()
