@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
   echo "most of them ran (load averages are given per table): treat times as indicative, ratios"
   echo "measured in one run on the same inputs as the comparison."
   echo
-  for f in main_job gae losses distill rollout decode shared_prefix update trl trl_smollm2 async mismatch mismatch_seed1 mismatch_seed1_matched mismatch_bf16; do
+  for f in main_job gae losses distill rollout decode shared_prefix update trl trl_smollm2 async mismatch mismatch_seed1 mismatch_seed1_matched mismatch_bf16 learning; do
     if [ -f "results/$f.md" ]; then
       sed -e "s/^# /## /" -e "s#](\([A-Za-z0-9_.-]*\.png\))#](results/\1)#" "results/$f.md"
       echo

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajgrad.train.stats import (
+    mcnemar_exact_test,
     mean_ci,
     normal_quantile,
     t_cdf,
     t_quantile,
+    paired_counts,
     two_proportion_test,
     wilson_interval,
 )
@@ -208,3 +210,56 @@ def test_bad_input():
         normal_quantile(0.0)
     with pytest.raises(ValueError, match="x"):
         t_cdf(float("nan"), 3)
+
+
+# ------------------------------------------------------------------------ McNemar's exact test
+
+
+def test_mcnemar_hand_computed():
+    # b + c = 5, all one way: 2 * (1/2)^5
+    assert mcnemar_exact_test(0, 5) == 2 / 32
+    # b + c = 10, min 1: 2 * (C(10,0) + C(10,1)) / 2^10 = 22 / 1024
+    assert mcnemar_exact_test(1, 9) == pytest.approx(22 / 1024, rel=1e-15)
+    assert mcnemar_exact_test(9, 1) == mcnemar_exact_test(1, 9)
+    # 0/64 -> 62/64: 62 discordant pairs, all improvements
+    assert mcnemar_exact_test(62, 0) == pytest.approx(2.0 ** -61, rel=1e-15)
+    assert mcnemar_exact_test(3, 3) == 1.0  # the doubled tail exceeds 1: capped
+    assert mcnemar_exact_test(0, 0) == 1.0  # no discordant pair: no evidence either way
+    # b + c = 20, min 5: 2 * sum_{k<=5} C(20,k) / 2^20 = 2 * 21700 / 1048576
+    assert mcnemar_exact_test(15, 5) == pytest.approx(2 * 21700 / 2**20, rel=1e-15)
+
+
+def test_mcnemar_against_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for b, c in [(0, 5), (1, 9), (15, 5), (30, 12), (7, 7), (40, 1)]:
+        assert mcnemar_exact_test(b, c) == pytest.approx(scipy_stats.binomtest(b, b + c, 0.5).pvalue, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 60))
+def test_mcnemar_properties(b, c):
+    p = mcnemar_exact_test(b, c)
+    assert 0.0 < p <= 1.0
+    assert p == mcnemar_exact_test(c, b)
+    if b != c and b + c > 0:  # one more pair in the majority direction: stronger evidence
+        hi, lo = max(b, c), min(b, c)
+        assert mcnemar_exact_test(hi + 1, lo) <= p
+    # the enumeration of the binomial's two tails at least as extreme as (b, c)
+    n, k = b + c, min(b, c)
+    extreme = sum(math.comb(n, j) for j in range(n + 1) if min(j, n - j) <= k)
+    assert p == pytest.approx(min(1.0, extreme / 2**n), rel=1e-12)
+
+
+def test_paired_counts():
+    before = [0, 0, 1, 1, 0, True]
+    after = [1, 0, 0, 1, 1, False]
+    assert paired_counts(before, after) == (2, 2)
+    assert paired_counts([0] * 64, [1] * 62 + [0] * 2) == (62, 0)
+    with pytest.raises(ValueError, match="after"):
+        paired_counts([0, 1], [1])
+    with pytest.raises(ValueError, match="before"):
+        paired_counts([0, 0.5], [1, 1])
+    with pytest.raises(ValueError, match="b"):
+        mcnemar_exact_test(-1, 3)
+    with pytest.raises(ValueError, match="c"):
+        mcnemar_exact_test(1, 2.5)

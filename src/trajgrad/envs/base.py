@@ -148,6 +148,8 @@ _REGISTRY: Dict[str, Callable[..., TaskSource]] = {}
 _BUILTIN_MODULES: Dict[str, str] = {
     "calculator": "trajgrad.envs.calculator",
     "guess": "trajgrad.envs.guess",
+    "chain": "trajgrad.envs.chain",
+    "higher_lower": "trajgrad.envs.games",
     "dataset": "trajgrad.envs.dataset",
     "openenv": "trajgrad.envs.adapters.openenv",
 }

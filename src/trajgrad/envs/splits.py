@@ -11,7 +11,7 @@ import hashlib
 import random
 from typing import List, Sequence, TypeVar
 
-__all__ = ["hash_split", "take"]
+__all__ = ["hash_split", "take", "check_task_request"]
 
 T = TypeVar("T")
 
@@ -40,3 +40,13 @@ def take(items: Sequence[T], n: int, seed: int, *, what: str = "items") -> List[
         rng.shuffle(order)
         out.extend(items[i] for i in order[: n - len(out)])
     return out
+
+
+def check_task_request(split, n, seed, splits=("train", "heldout")) -> None:
+    """The arguments of a task source's ``tasks(split, n, seed)``: ValueError naming the bad one."""
+    if split not in splits:
+        raise ValueError(f"split: expected one of {tuple(splits)}, got {split!r}")
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+        raise ValueError(f"n: expected a non-negative integer, got {n!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")

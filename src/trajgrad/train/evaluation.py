@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,10 +24,15 @@ class EvalResult:
     reward: float
     # several environments (tasks:): each one's own held-out result, by name; None with one task
     environments: Optional[Dict[str, Dict[str, float]]] = None
+    # each held-out task's outcome (1 solved, 0 not), in the order of the held-out tasks: the
+    # pairs of a paired before/after test (trajgrad.train.stats.paired_counts); not in to_dict
+    outcomes: Optional[Tuple[int, ...]] = None
 
     def to_dict(self) -> Dict:
-        """The fields (``environments`` only for a run with several), for summaries and checkpoints."""
+        """The fields (``environments`` only for a run with several; not ``outcomes``), for
+        summaries and checkpoints."""
         d = dict(self.__dict__)
+        del d["outcomes"]
         if d["environments"] is None:
             del d["environments"]
         return d
@@ -47,7 +52,8 @@ def _result(trajs) -> EvalResult:
     n = len(trajs)
     lo, hi = wilson_interval(succ, n)
     reward = float(np.mean([t.total_reward for t in trajs])) if trajs else 0.0
-    return EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward)
+    return EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward,
+                      outcomes=tuple(int(bool(t.success)) for t in trajs))
 
 
 @torch.no_grad()
@@ -97,7 +103,7 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     logged = {"eval/success": res.success, "eval/success_low": res.low, "eval/success_high": res.high,
               "eval/reward": res.reward, "eval/n": res.n}
     if agent_eval is None and mixture is not None:
-        res.environments = {name: {k: v for k, v in _result(part).__dict__.items() if k != "environments"}
+        res.environments = {name: {k: v for k, v in _result(part).__dict__.items() if k not in ("environments", "outcomes")}
                             for name, part in by_env.items()}
         for name, e in res.environments.items():
             logged.update({f"eval/{name}/{k}": e[k] for k in ("success", "reward", "n")})

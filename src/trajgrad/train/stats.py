@@ -6,7 +6,9 @@ training helped must come with its uncertainty. This module gives
 * :func:`wilson_interval`: the Wilson score interval of a proportion (good coverage even
   at 0 or n successes, where the Wald interval collapses to a point);
 * :func:`mean_ci`: a Student-t interval for the mean of real values (rewards, lengths);
-* :func:`two_proportion_test`: the pooled two-sided z-test of "before == after".
+* :func:`two_proportion_test`: the pooled two-sided z-test of "before == after";
+* :func:`mcnemar_exact_test`: McNemar's exact test of paired before/after outcomes on the
+  same tasks (a binomial test on the discordant pairs).
 
 Quantiles: the normal one from :class:`statistics.NormalDist`; Student's t by inverting
 its CDF, written through the regularized incomplete beta function
@@ -26,6 +28,8 @@ __all__ = [
     "wilson_interval",
     "mean_ci",
     "two_proportion_test",
+    "mcnemar_exact_test",
+    "paired_counts",
 ]
 
 _NORMAL = statistics.NormalDist()
@@ -258,3 +262,42 @@ def two_proportion_test(s1, n1, s2, n2) -> float:
         return 1.0
     z = (s1 / n1 - s2 / n2) / math.sqrt(var)
     return math.erfc(abs(z) / math.sqrt(2.0))
+
+
+def paired_counts(before, after) -> Tuple[int, int]:
+    """The discordant pairs of paired 0/1 outcomes (task ``i`` before and after):
+    ``(b, c)`` = (failed before and solved after, solved before and failed after).
+
+    Raises ValueError when the sequences differ in length or hold anything but 0/1 (bools).
+    """
+    before, after = list(before), list(after)
+    if len(before) != len(after):
+        raise ValueError(f"after: {len(after)} outcomes, but before has {len(before)} (the same tasks are needed)")
+    for name, xs in (("before", before), ("after", after)):
+        bad = [x for x in xs if x not in (0, 1)]
+        if bad:
+            raise ValueError(f"{name}: outcomes must be 0/1 (or bools), got {bad[0]!r}")
+    b = sum(1 for x, y in zip(before, after) if not x and y)
+    c = sum(1 for x, y in zip(before, after) if x and not y)
+    return b, c
+
+
+def mcnemar_exact_test(b, c) -> float:
+    r"""Two-sided p-value of McNemar's exact test from the discordant pair counts.
+
+    ``b`` tasks failed before and succeeded after, ``c`` succeeded before and failed after
+    (:func:`paired_counts`). Under "training changed nothing" each discordant pair goes
+    either way with probability 1/2, so :math:`B \sim \mathrm{Bin}(b + c, 1/2)` and
+
+    .. math::
+        p = \min\Big(1,\ 2 \sum_{k=0}^{\min(b, c)} \binom{b+c}{k} 2^{-(b+c)}\Big),
+
+    computed with exact integers (one rounding, at the final division). ``p = 1`` when
+    there are no discordant pairs. Concordant pairs carry no information on the change.
+    """
+    b, c = _count("b", b), _count("c", c)
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1))
+    return min(1.0, 2 * tail / 2**n)

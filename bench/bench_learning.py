@@ -1,0 +1,420 @@
+"""The learning suite: does training make SmolLM2 better, across tasks, recipes and seeds?
+
+A cell is one (task, recipe, seed): one run of trajgrad's own
+:class:`~trajgrad.train.trainer.Trainer` (its evaluator, its loop) on the embedded
+SmolLM2-135M-Instruct + LoRA, from the ``default`` preset with the task and recipe
+swapped in. Each cell appends one JSON line to ``bench/results/learning.jsonl``:
+
+* held-out greedy success before and after training on the same held-out tasks (at least
+  64 distinct ones; counts and 95% Wilson intervals) and McNemar's exact test on the paired
+  before/after outcomes (:func:`trajgrad.train.stats.mcnemar_exact_test`);
+* wall time from the start of the run to its last update: the SFT warm start (if any) and
+  evaluations during training included, the before/after evaluations not (they are
+  reported separately, as are the SFT time and the model load);
+* tokens sampled for training, the 1-minute load average (at the start, at the end and the
+  mean over steps), the commit.
+
+Cells (run one at a time; two at once on 2 cores distort both)::
+
+    PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py --task calculator --recipe default --seed 0
+    PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py --task chain --recipe ppo --seed 1 --minutes 15
+    PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py --task game --base     # base rate only
+    PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py --report               # RESULTS.md section
+
+``--minutes M`` ends the run after the step during which M minutes of wall time (as
+defined above) have passed, even if ``train.steps`` is not reached; ``--steps`` sets
+``train.steps``. ``--base`` measures the untrained model's held-out greedy success only
+(no training) and appends it to ``bench/results/learning_base.jsonl``. ``--set key=value``
+overrides any config key, as ``trajgrad train --set`` does. ``--report`` rebuilds
+``bench/results/learning.md`` (a table per task and the plot ``learning.png``: held-out
+success vs wall time, one colour per recipe) and the learning section at the end of
+``bench/RESULTS.md`` from the results files.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from trajgrad.train.config import load_config, parse_overrides  # noqa: E402
+from trajgrad.train.stats import mcnemar_exact_test, paired_counts, wilson_interval  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "learning.jsonl"
+BASE_RESULTS = HERE / "results" / "learning_base.jsonl"
+SECTION = "## Learning benchmark"
+MIN_HELDOUT = 64
+
+# Each task: the ``default`` preset (SmolLM2-135M-Instruct + LoRA r=8, GRPO, 8 prompts x 4
+# samples, temperature 0.7, lr 5e-4) with these config keys replaced.
+TASKS: Dict[str, Dict[str, Any]] = {
+    # the main job, unchanged
+    "calculator": {},
+    # three dependent tool calls (lookup -> fetch -> calc), reward only for the final answer; two worked
+    # examples (with the env's default of one, SmolLM2's base rate was 0/64: it answered with the code)
+    "chain": {"task.name": "chain", "task.options": {"examples": 2}},
+    # number guessing with higher/lower feedback, a gymnasium env through the gymnasium adapter
+    # (with the example described inside the first message only, `{}`, SmolLM2's base rate was 0/64: it
+    # replied in prose without a number)
+    "game": {"task.name": "higher_lower", "task.options": {"example": False, "example_turns": True},
+             "sampling.max_new_tokens": 16},
+}
+
+# Each change of a task after its base rate was first measured (the issue allows one), for the report.
+TASK_CHANGES: Dict[str, str] = {
+    "chain": ("first measured with the environment's default of one worked example (`{}`): 0/64, below the "
+              "5% floor; greedy SmolLM2 looked the item up, then answered with its code. Changed once: two worked "
+              "examples (`{\"examples\": 2}`), which also measured 0/64: greedy SmolLM2 now looked up, skipped the fetch "
+              "and computed on the code (`<lookup>lemon</lookup>`, `<calc>689 + 53</calc>`, `<answer>742</answer>` in "
+              "each of 3 episodes inspected), the middle step that credit across turns has to teach. The chain stays "
+              "below the band and is not changed again (the issue allows one change)."),
+    "game": ("first measured with the example game described inside the first message (`{}`): 0/64, below the "
+             "5% floor; greedy SmolLM2 replied in prose without a number (\"I'm ready to help. What's the secret "
+             "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
+             "before the first message instead (`{\"example\": false, \"example_turns\": true}`), which measured 5/64 "
+             "= 7.8%, inside the band."),
+}
+
+# Recipes: "default" keeps the task's own recipe (GRPO for every task above).
+RECIPES: Dict[str, Dict[str, Any]] = {
+    "default": {},
+    "grpo": {"recipe.name": "grpo"},
+    "dr_grpo": {"recipe.name": "dr_grpo"},
+    "cispo": {"recipe.name": "cispo"},
+    # a critic with skip-observation GAE (the ppo recipe's estimator), value head warmed up first
+    "ppo": {"recipe.name": "ppo", "critic.lr": 1e-3, "critic.warmup_steps": 2},
+    # single-rollout asynchronous optimization (the ``sao`` preset's recipe and workers)
+    "sao": {"recipe.name": "sao", "recipe.overrides": {"eps_low": 0.3, "eps_high": 5.0}, "critic.lr": 1e-3,
+            "critic.warmup_steps": 2, "train.group_size": 1,
+            "asynchronous": {"enabled": True, "workers": 2, "max_lag": 2, "batch_trajectories": 16,
+                             "queue_size": 4, "partial": "per_segment"}},
+}
+
+
+def cell_overrides(task: str, recipe: str, seed: int, *, steps: Optional[int] = None,
+                   sets: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The config overrides of one cell (on the ``default`` preset); ValueError for an unknown name."""
+    if task not in TASKS:
+        raise ValueError(f"--task: unknown {task!r}; known: {', '.join(TASKS)}")
+    if recipe not in RECIPES:
+        raise ValueError(f"--recipe: unknown {recipe!r}; known: {', '.join(RECIPES)}")
+    out: Dict[str, Any] = {**TASKS[task], **RECIPES[recipe], "train.seed": int(seed),
+                           "name": f"learning-{task}-{recipe}-s{seed}", "log.progress": False}
+    if steps is not None:
+        out["train.steps"] = int(steps)
+    out.update(sets or {})
+    return out
+
+
+def base_path(results: Path) -> Path:
+    """The base-rate file beside a results file (``learning.jsonl`` -> ``learning_base.jsonl``)."""
+    return BASE_RESULTS if Path(results) == RESULTS else Path(results).with_name(Path(results).stem + "_base.jsonl")
+
+
+def _distinct_heldout(tasks) -> int:
+    return len({json.dumps([t.prompt, repr(t.answer), t.metadata], sort_keys=True, default=repr) for t in tasks})
+
+
+def _load() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - no load average on this platform
+        return []
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
+
+
+def _timed_trainer(base):
+    """``base`` (the trainer class) with the time each phase takes recorded, the sampled tokens
+    counted and the run ended after the step that passes ``budget_s`` of wall time."""
+
+    class Timed(base):
+        def __init__(self, *args, budget_s: Optional[float] = None, **kwargs):
+            self.budget_s = budget_s
+            self.phase = {"eval_before_s": 0.0, "eval_after_s": 0.0, "eval_during_s": 0.0, "sft_s": 0.0}
+            self.evals: Dict[str, Any] = {}
+            self.tokens = 0
+            self.loads: List[float] = []
+            self.t_start = self.t_last_update = None
+            super().__init__(*args, **kwargs)
+
+        def run(self):
+            self.t_start = self.t_last_update = time.perf_counter()
+            return super().run()
+
+        def evaluate(self, tag):
+            t = time.perf_counter()
+            res = super().evaluate(tag)
+            key = {"before": "eval_before_s", "after": "eval_after_s"}.get(tag, "eval_during_s")
+            self.phase[key] += time.perf_counter() - t
+            self.evals[tag] = res
+            return res
+
+        def sft(self, *args, **kwargs):
+            t = time.perf_counter()
+            out = super().sft(*args, **kwargs)
+            if kwargs.get("model") is None:  # the policy's warm start (not a teacher's)
+                self.phase["sft_s"] += time.perf_counter() - t
+            return out
+
+        def _collect(self):
+            trajs, stats = super()._collect()
+            self.tokens += int(stats.get("gen_tokens", 0))
+            return trajs, stats
+
+        def train_step(self):
+            metrics = super().train_step()
+            self.t_last_update = time.perf_counter()
+            load = _load()
+            if load:
+                self.loads.append(load[0])
+            if self.budget_s is not None and self.wall_s() >= self.budget_s and self.step + 1 < self.cfg.train.steps:
+                self.console(f"--minutes: {self.wall_s() / 60:.1f} min of wall time reached; "
+                             f"this is the last step ({self.step + 1} of {self.cfg.train.steps})")
+                self.cfg.train.steps = self.step + 1
+            return metrics
+
+        def wall_s(self) -> float:
+            """From the start of the run to the last update, the before-evaluation excluded."""
+            return self.t_last_update - self.t_start - self.phase["eval_before_s"]
+
+    return Timed
+
+
+def _side(res) -> Dict[str, Any]:
+    low, high = wilson_interval(res.successes, res.n)
+    return {"successes": res.successes, "n": res.n, "success": res.successes / res.n, "low": low, "high": high}
+
+
+def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = None, steps: Optional[int] = None,
+             sets: Optional[Dict[str, Any]] = None, run_root: Path = Path("runs") / "learning",
+             results: Path = RESULTS, base_only: bool = False, console=print) -> Dict[str, Any]:
+    """Run one cell and append its JSON line to ``results``; returns the record."""
+    import torch
+
+    from trajgrad.train.trainer import Trainer
+
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"--minutes: expected a positive number, got {minutes}")
+    overrides = cell_overrides(task, recipe, seed, steps=steps, sets=sets)
+    if base_only:
+        overrides.update({"train.steps": 0, "eval.after": False, "checkpoint.every": 0, "sft.steps": 0})
+    cfg = load_config(preset="default", overrides=overrides)
+    base = Trainer
+    if cfg.asynchronous.enabled:
+        from trajgrad.train.asynchronous import AsyncTrainer
+
+        base = AsyncTrainer
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    run_dir = Path(run_root) / f"{cfg.name}-{stamp.strftime('%Y%m%d-%H%M%S')}"
+    load_start, commit = _load(), _commit()
+    t0 = time.perf_counter()
+    trainer = _timed_trainer(base)(cfg, run_dir, console=console, budget_s=None if minutes is None else minutes * 60)
+    setup_s = time.perf_counter() - t0
+    distinct = _distinct_heldout(trainer.heldout_tasks)
+    if distinct < MIN_HELDOUT:
+        raise ValueError(f"task.n_heldout: {distinct} distinct held-out tasks; the benchmark needs at least {MIN_HELDOUT}")
+    trainer.run()
+    before = trainer.evals["before"]
+    record: Dict[str, Any] = {
+        "task": task, "recipe": recipe, "seed": int(seed), "commit": commit,
+        "started_utc": stamp.strftime("%Y-%m-%d %H:%M:%S"), "task_name": cfg.task.name,
+        "task_options": cfg.task.options, "recipe_name": cfg.recipe.name, "overrides": sets or {},
+        "heldout_distinct": distinct, "before": _side(before), "setup_s": round(setup_s, 1),
+        "eval_before_s": round(trainer.phase["eval_before_s"], 1), "load_start": load_start,
+        "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_end": _load(), "run_dir": str(run_dir),
+        "command": " ".join(shlex.quote(a) for a in sys.argv) if sys.argv and sys.argv[0] else None,
+    }
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if base_only:
+        with open(base_path(results), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+    after = trainer.evals["after"]
+    if before.outcomes is None or after.outcomes is None or len(before.outcomes) != len(after.outcomes):
+        raise RuntimeError("the before/after evaluations do not have one outcome per held-out task")
+    b, c = paired_counts(before.outcomes, after.outcomes)
+    record.update({
+        "after": _side(after), "mcnemar": {"improved": b, "worsened": c, "p": mcnemar_exact_test(b, c)},
+        "steps": trainer.step, "steps_planned": int(steps) if steps is not None else None,
+        "minutes_budget": minutes, "wall_s": round(trainer.wall_s(), 1),
+        "sft_s": round(trainer.phase["sft_s"], 1), "eval_during_s": round(trainer.phase["eval_during_s"], 1),
+        "eval_after_s": round(trainer.phase["eval_after_s"], 1), "tokens_sampled": trainer.tokens,
+        "load_steps_mean": round(sum(trainer.loads) / len(trainer.loads), 2) if trainer.loads else None,
+    })
+    with open(results, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _read(path: Path) -> List[Dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pct(side: Dict[str, Any]) -> str:
+    return (f"{side['successes']}/{side['n']} = {side['success']:.1%} "
+            f"({side['low']:.1%}–{side['high']:.1%})")
+
+
+def _load_text(r: Dict[str, Any]) -> str:
+    parts = [f"{r['load_start'][0]:.1f}" if r.get("load_start") else "?"]
+    if r.get("load_steps_mean") is not None:
+        parts.append(f"{r['load_steps_mean']:.1f}")
+    parts.append(f"{r['load_end'][0]:.1f}" if r.get("load_end") else "?")
+    return " / ".join(parts)
+
+
+def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], plot: Optional[str]) -> str:
+    lines = [SECTION, "",
+             "Held-out greedy success of SmolLM2-135M-Instruct + LoRA before → after training, on the same",
+             f"held-out tasks (at least {MIN_HELDOUT} distinct per task), with 95% Wilson intervals and McNemar's exact",
+             "test on the paired outcomes (improved / worsened = tasks solved only after / only before).",
+             "Wall time: from the start of the run to its last update (SFT warm start and evaluations during",
+             "training included), without the before/after evaluations (listed separately). Load average:",
+             "the machine's 1-minute load at the start / mean over steps / end (2 cores; above 2, other",
+             "jobs shared the CPU and the times are stretched by them). Threads: torch's intra-op threads of the cell",
+             "(2 by default on this machine; 1 with `OMP_NUM_THREADS=1`, which wastes less CPU when the machine is",
+             "oversubscribed).", "",
+             "Each row is one command: `PYTHONPATH=$PWD/src .venv/bin/python bench/bench_learning.py "
+             "--task TASK --recipe RECIPE --seed SEED` (its exact arguments are in "
+             "`bench/results/learning.jsonl`); this section is rebuilt by `bench/bench_learning.py --report`.", ""]
+    if bases:
+        lines += ["### Base rates (untrained SmolLM2, greedy, held-out)", "",
+                  "Command: `bench/bench_learning.py --task TASK --base` (the before-evaluation of a cell, no training).", "",
+                  "| task | source and options | held-out success | commit | date (UTC) | load average |",
+                  "| --- | --- | ---: | --- | --- | ---: |"]
+        for r in bases:
+            opts = json.dumps(r.get("task_options", {}), sort_keys=True)
+            lines.append(f"| {r['task']} | `{r['task_name']}` `{opts}` | {_pct(r['before'])} | {r['commit']} | "
+                         f"{r['started_utc']} | {_load_text(r)} |")
+        lines.append("")
+        for task in dict.fromkeys(r["task"] for r in bases):
+            if task in TASK_CHANGES:
+                lines += [f"{task}: {TASK_CHANGES[task]}", ""]
+    for task in dict.fromkeys(r["task"] for r in cells):
+        rows = [r for r in cells if r["task"] == task]
+        lines += [f"### {task}", "",
+                  "| recipe | seed | steps | before | after | improved / worsened | McNemar p | wall time | SFT | "
+                  "eval before / after | tokens sampled | load average | threads | commit |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in sorted(rows, key=lambda r: (r["recipe"], r["seed"], r["started_utc"])):
+            m = r["mcnemar"]
+            lines.append(
+                f"| {r['recipe']} | {r['seed']} | {r['steps']} | {_pct(r['before'])} | {_pct(r['after'])} | "
+                f"{m['improved']} / {m['worsened']} | {m['p']:.2g} | {r['wall_s'] / 60:.1f} min | {r['sft_s']:.0f} s | "
+                f"{r['eval_before_s']:.0f} s / {r['eval_after_s']:.0f} s | {r['tokens_sampled']:,} | "
+                f"{_load_text(r)} | {r.get('torch_threads', '?')} | {r['commit']} |")
+        lines.append("")
+    if plot:
+        lines += [f"![held-out success vs wall time per recipe]({plot})", ""]
+    return "\n".join(lines)
+
+
+def write_plot(cells: List[Dict[str, Any]], path: Path) -> bool:
+    """Held-out success vs wall time: one segment per cell from (0, before) to (wall, after),
+    one colour per recipe, one marker per task. False when there is nothing to plot."""
+    if not cells:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    recipes = list(dict.fromkeys(r["recipe"] for r in cells))
+    tasks = list(dict.fromkeys(r["task"] for r in cells))
+    markers = "osD^v<>p*"
+    for r in cells:
+        colour = f"C{recipes.index(r['recipe']) % 10}"
+        x = r["wall_s"] / 60
+        ax.plot([0, x], [r["before"]["success"], r["after"]["success"]], color=colour, alpha=0.5)
+        ax.errorbar([x], [r["after"]["success"]],
+                    yerr=[[r["after"]["success"] - r["after"]["low"]], [r["after"]["high"] - r["after"]["success"]]],
+                    color=colour, marker=markers[tasks.index(r["task"]) % len(markers)], capsize=3)
+    for i, name in enumerate(recipes):
+        ax.plot([], [], color=f"C{i % 10}", label=f"recipe {name}")
+    for i, name in enumerate(tasks):
+        ax.plot([], [], color="black", linestyle="none", marker=markers[i % len(markers)], label=f"task {name}")
+    ax.set_xlabel("wall time to the last update (min)")
+    ax.set_ylabel("held-out greedy success (95% Wilson)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlim(left=0)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def report(results: Path = RESULTS, base_results: Path = BASE_RESULTS, results_md: Optional[Path] = None) -> str:
+    """Rebuild ``learning.md`` (+ ``learning.png``) beside ``results`` and the section of ``results_md``."""
+    cells, bases = _read(results), _read(base_results)
+    png = results.with_suffix(".png")
+    plot = png.name if write_plot(cells, png) else None
+    text = report_markdown(cells, bases, plot)
+    results.with_suffix(".md").write_text(text + "\n")
+    if results_md is not None:
+        old = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
+        head = old.split("\n" + SECTION + "\n", 1)[0].rstrip("\n")
+        body = text.replace(f"]({plot})", f"](results/{plot})") if plot else text
+        results_md.write_text(head + "\n\n" + body + "\n")
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", choices=sorted(TASKS))
+    p.add_argument("--recipe", default="default", choices=sorted(RECIPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=None, help="end the run after the step that passes M minutes")
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default: the preset's)")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="config key=value (repeatable)")
+    p.add_argument("--base", action="store_true", help="the untrained model's held-out success only")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--run-root", type=Path, default=Path("runs") / "learning")
+    p.add_argument("--report", action="store_true", help="rebuild learning.md, learning.png and RESULTS.md's section")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(args.results, base_path(args.results), HERE / "RESULTS.md" if args.results == RESULTS else None))
+        return 0
+    if args.task is None:
+        p.error("--task is required (or --report)")
+    try:
+        record = run_cell(args.task, args.recipe, args.seed, minutes=args.minutes, steps=args.steps,
+                          sets=parse_overrides(args.sets), run_root=args.run_root, results=args.results,
+                          base_only=args.base)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""bench/bench_learning.py: one cell end to end on a tiny model, the report, the matrix's configs."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from trajgrad.train.config import load_config
+from trajgrad.train.stats import mcnemar_exact_test, wilson_interval
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "bench_learning.py"
+_spec = importlib.util.spec_from_file_location("bench_learning", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+TINY = {"model": {"name": "tiny", "dtype": "float32", "lora": None,
+                  "tiny": {"hidden_size": 32, "layers": 1, "heads": 2, "seed": 0}},
+        "sampling.max_new_tokens": 6, "checkpoint.every": 0, "train.prompts_per_step": 4, "train.group_size": 2}
+
+
+def test_every_cell_of_the_matrix_is_a_valid_config():
+    for task in bench.TASKS:
+        for recipe in bench.RECIPES:
+            cfg = load_config(preset="default", overrides=bench.cell_overrides(task, recipe, 2))
+            assert cfg.train.seed == 2 and cfg.model.name == "smollm2"
+            assert cfg.task.n_heldout >= bench.MIN_HELDOUT
+            assert cfg.recipe.name == ("grpo" if recipe == "default" else recipe)
+    with pytest.raises(ValueError, match="--task"):
+        bench.cell_overrides("nope", "default", 0)
+    with pytest.raises(ValueError, match="--recipe"):
+        bench.cell_overrides("chain", "nope", 0)
+
+
+def test_one_cell_end_to_end_and_the_report(tmp_path):
+    results = tmp_path / "learning.jsonl"
+    # 3 steps planned, a budget already spent after the first: the run ends after step 1
+    rec = bench.run_cell("calculator", "default", 0, steps=3, minutes=1e-6, sets=dict(TINY),
+                         run_root=tmp_path / "runs", results=results, console=lambda *a, **k: None)
+    lines = results.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0]) == json.loads(json.dumps(rec))
+    assert rec["steps"] == 1 and rec["steps_planned"] == 3
+    assert rec["heldout_distinct"] >= 64 and rec["before"]["n"] == rec["after"]["n"] == 64
+    for side in ("before", "after"):
+        s = rec[side]
+        assert (s["low"], s["high"]) == wilson_interval(s["successes"], s["n"])
+    m = rec["mcnemar"]
+    assert m["improved"] - m["worsened"] == rec["after"]["successes"] - rec["before"]["successes"]
+    assert m["p"] == mcnemar_exact_test(m["improved"], m["worsened"])
+    assert rec["tokens_sampled"] > 0 and rec["wall_s"] >= 0 and rec["eval_before_s"] >= 0 and rec["setup_s"] > 0
+    assert rec["sft_s"] == 0 and rec["task_name"] == "calculator" and len(rec["load_start"]) == 3
+    # the run directory is a normal trajgrad run
+    assert (Path(rec["run_dir"]) / "summary.json").exists()
+
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Benchmark results\n\n## Another section\n\ntext\n")
+    for _ in range(2):  # rebuilding replaces the section, never duplicates it
+        text = bench.report(results, tmp_path / "learning_base.jsonl", results_md)
+    md = results_md.read_text()
+    assert md.count(bench.SECTION) == 1 and "## Another section" in md and md.index("Another") < md.index(bench.SECTION)
+    assert "| default | 0 | 1 |" in text and "(results/learning.png)" in md
+    assert (tmp_path / "learning.png").stat().st_size > 1000 and (tmp_path / "learning.md").exists()
+
+
+def test_base_rate_of_the_game_through_the_trainer(tmp_path):
+    results = tmp_path / "learning.jsonl"
+    sets = {**TINY, "sampling.max_new_tokens": 4, "task.options": {"max_turns": 2}}
+    rec = bench.run_cell("game", "default", 0, sets=sets, run_root=tmp_path / "runs", results=results,
+                         base_only=True, console=lambda *a, **k: None)
+    assert not results.exists()
+    base = [json.loads(x) for x in (tmp_path / "learning_base.jsonl").read_text().splitlines()]
+    assert len(base) == 1 and base[0]["task_name"] == "higher_lower" and "after" not in base[0]
+    assert rec["before"]["n"] == 64 and rec["heldout_distinct"] == 64
+    assert "### Base rates" in bench.report(results, tmp_path / "learning_base.jsonl", None)
+
+
+def test_too_few_distinct_heldout_tasks_is_refused(tmp_path, capsys):
+    # 64 held-out guessing tasks drawn (with replacement) from the 7 held-out secrets of 1..32
+    args = ["--task", "chain", "--base", "--results", str(tmp_path / "l.jsonl"), "--run-root", str(tmp_path / "r"),
+            "--set", "model=" + json.dumps(TINY["model"]), "--set", "task.name=guess", "--set", "task.options={}"]
+    assert bench.main(args) == 2
+    assert "task.n_heldout: 7 distinct held-out tasks" in capsys.readouterr().err
+    assert not (tmp_path / "l_base.jsonl").exists()
+    assert bench.main(["--task", "chain", "--minutes", "0", "--results", str(tmp_path / "l.jsonl")]) == 2
+    assert "--minutes" in capsys.readouterr().err
