@@ -36,6 +36,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from .._optional import require
 from .adapters.gym import GymEnvironment, GymSource
 from .base import Message, Task, register_task_source
 from .splits import check_task_request, hash_split
@@ -121,8 +122,8 @@ def _opening(low: int, high: int, example: bool) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _env_class():
-    import gymnasium as gym
-    from gymnasium import spaces
+    gym = require("gymnasium", "task 'higher_lower'")
+    spaces = gym.spaces
 
     charset = string.printable
 
