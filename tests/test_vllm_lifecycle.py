@@ -25,7 +25,8 @@ from trajgrad.train.trainer import Trainer
 run = Path({run!r})
 build_test_model(run.parent / "model")
 cfg = vllm_train_config(run.parent / "model", rollout={{"backend": "vllm", "vllm": {{"restarts": {restarts},
-    "python": {python!r}, "extra_args": {args!r}}}}}, sampling={{"temperature": 1.0, "max_new_tokens": 256}})
+    "python": {python!r}, "extra_args": {args!r}}}}}, sampling={{"temperature": 1.0, "max_new_tokens": 256}},
+    train={{"steps": 10000}})  # never ends on its own: the test kills the server, then trajgrad
 Trainer(cfg, run, console=lambda *a: print(*a, flush=True)).run()
 print("FINISHED", flush=True)
 """
@@ -89,30 +90,41 @@ def _wait_gone(pgid, seconds=30.0):
     return _group(pgid)
 
 
-def _kill_server_mid_step(lines, pgid):
-    """SIGKILL the vLLM API server of group ``pgid`` while it runs requests (its /metrics say so)."""
+def _train_rows(run):
+    path = run / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def _kill_server_mid_step(lines, pgid, run):
+    """SIGKILL the vLLM API server of group ``pgid`` while it runs requests (its /metrics say so); returns
+    the train rows written before the kill (the step in flight has not written one)."""
     import httpx
 
     url = next(x.split("server on ")[1].split()[0] for x in lines if "starting the server on" in x)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    seen = False
+    while not seen and time.monotonic() < deadline:
         try:
             text = httpx.get(url + "/metrics", timeout=5).text
         except httpx.HTTPError:
             text = ""
         running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
-        if running and float(running[0].split()[-1]) >= 1:
-            break
-        time.sleep(0.1)
+        seen = bool(running) and float(running[0].split()[-1]) >= 1
+        if not seen:
+            time.sleep(0.05)
+    assert seen, "the server never reported a running request within 300 s"
     server = [p for p in _group(pgid) if p != pgid and "api_server" in _cmdline(p)]
-    assert server
+    assert server, [(p, _cmdline(p)) for p in _group(pgid)]
+    before = _train_rows(run)
     os.kill(server[0], signal.SIGKILL)
+    return before
 
 
 def test_server_restarted_once_then_sigkill_of_trajgrad_leaves_no_server(tmp_path):
     proc, run, pgid, lines = _start(tmp_path, restarts=1)
     assert len(_group(pgid)) >= 2  # the watchdog and the vLLM server (and its engine processes)
-    _kill_server_mid_step(lines, pgid)
+    _kill_server_mid_step(lines, pgid, run)
     deadline = time.monotonic() + 600
     for line in proc.stdout:  # the episodes in flight are dropped and the server restarted
         lines.append(line)
@@ -130,13 +142,11 @@ def test_server_restarted_once_then_sigkill_of_trajgrad_leaves_no_server(tmp_pat
 
 def test_server_killed_mid_step_is_one_clear_error_and_nothing_trained(tmp_path):
     proc, run, pgid, lines = _start(tmp_path)
-    _kill_server_mid_step(lines, pgid)  # the server dies with requests in flight
+    before = _kill_server_mid_step(lines, pgid, run)  # the server dies with requests in flight
     out, _ = proc.communicate(timeout=120)
     text = "".join(lines) + out
     assert proc.returncode != 0
     assert "died during a rollout" in text and "nothing of them is trained" in text, text[-3000:]
     assert "FINISHED" not in text
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] \
-        if (run / "metrics.jsonl").exists() else []
-    assert not [r for r in rows if r.get("kind") == "train"]
+    assert _train_rows(run) == before  # the step whose rollout the server died in trained nothing
     assert _wait_gone(pgid) == [], "vLLM processes outlived the failed run"
