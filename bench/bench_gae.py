@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from trajgrad._scan import suffix_affine_scan_
-from trajgrad.returns import gae, skip_observation_gae, token_skip_observation_gae
+from trajgrad.advantages._scan import suffix_affine_scan_
+from trajgrad.advantages.returns import gae, skip_observation_gae, token_skip_observation_gae
 
 GAMMA, LAM = 1.0, 0.95
 F64 = torch.float64

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.returns import (
+from trajgrad.advantages.returns import (
     GAEOutput,
     discounted_return,
     gae,

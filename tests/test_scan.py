@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad import _scan
+from trajgrad.advantages import _scan
 
 F64 = torch.float64
 

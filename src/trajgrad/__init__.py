@@ -6,6 +6,7 @@ The core (``logprobs``, ``returns``, ``baselines``, ``ratios``, ``aggregate``, `
 import sys as _sys
 import types as _types
 
+from . import _moved
 from ._checks import validation
 from .api import train
 from .api import train as _api_train
@@ -29,6 +30,7 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+_moved.install()
 
 __version__ = "0.1.0"
 

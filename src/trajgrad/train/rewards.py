@@ -5,8 +5,8 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from .. import credit
-from .. import returns as returns_lib
+from ..advantages import credit
+from ..advantages import returns as returns_lib
 from ..rollout import RolloutBatch
 
 

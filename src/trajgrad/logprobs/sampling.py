@@ -48,7 +48,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "shift_logits_and_targets",
@@ -415,7 +415,7 @@ def __getattr__(name: str):
     # ``trajgrad.fused``; re-export lazily so neither module imports the other at load time.
     if name == "fused_token_logprobs":
         try:
-            from .fused import fused_token_logprobs
+            from ..fused import fused_token_logprobs
         except ImportError as exc:  # pragma: no cover - only while trajgrad.fused is absent
             raise AttributeError(f"{name}: trajgrad.fused is not available ({exc})") from exc
         return fused_token_logprobs

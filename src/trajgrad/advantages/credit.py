@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "last_action_index",

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "as_float",

@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens", "whiten"]
 

@@ -28,7 +28,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import _checks, _steps
+from .. import _checks
+from . import _steps
 from ._scan import suffix_affine_scan_
 
 Number = Union[float, int, torch.Tensor]

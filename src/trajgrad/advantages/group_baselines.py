@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _checks
+from .. import _checks
 from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats
 
 __all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages", "optimal_token_baseline",

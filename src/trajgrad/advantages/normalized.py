@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from .. import _checks
 from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats, _weighted_whiten, group_advantages, whiten
 
 __all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages"]
