@@ -24,7 +24,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _checks
-from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats
+from ._groups import _eps, _per_item, _rewards, _stats
+from .baselines import GroupAdvantages
+from .returns import reward_to_go
 
 __all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages", "optimal_token_baseline",
            "TokenAdvantages"]
@@ -272,7 +274,6 @@ def optimal_token_baseline(
     Returns:
       :class:`TokenAdvantages` (advantages and reward-to-go, 0 at masked positions); detached.
     """
-    from .returns import reward_to_go
 
     eps = _eps(eps)
     if align not in OTB_ALIGN:

@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats, _weighted_whiten, group_advantages, whiten
+from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
+from .baselines import GroupAdvantages, group_advantages, whiten
+from .returns import reward_to_go
 
 __all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages"]
 
@@ -117,7 +119,6 @@ def reinforce_pp_token_advantages(
     Returns:
       ``[B, L]`` advantages, 0 at masked positions; detached.
     """
-    from .returns import reward_to_go
 
     g = reward_to_go(token_rewards, gamma=gamma, mask=mask)
     return whiten(g, mask, unbiased=unbiased, eps=eps)

@@ -43,9 +43,6 @@ import torch
 
 from .. import _checks
 from . import _scan, _steps
-from ._scan import next_valid_index as _next_valid_index  # noqa: F401  (kept for importers)
-from ._scan import suffix_affine_scan as _suffix_affine_scan  # noqa: F401
-from ._scan import suffix_affine_scan_ as _suffix_affine_scan_  # noqa: F401
 from .td import GAEOutput, Number, gae, skip_observation_gae, token_skip_observation_gae
 
 __all__ = [
