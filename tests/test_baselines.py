@@ -1,4 +1,4 @@
-"""Tests for trajgrad.baselines (spec §4, §5, §11, §12, §24)."""
+"""Tests for trajgrad.advantages.baselines (spec §4, §5, §11, §12, §24)."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""Tests for trajgrad.correction (rollout correction: TIS, MIS, rejection, sequence masking)."""
+"""Tests for trajgrad.logprobs.correction (rollout correction: TIS, MIS, rejection, sequence masking)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""trajgrad.credit: turn rewards at turn ends, action indices, terminal masks, bootstrap values."""
+"""trajgrad.advantages.credit: turn rewards at turn ends, action indices, terminal masks, bootstrap values."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Property tests for trajgrad.gae against per-step loops (spec §6, §20.4).
+"""Property tests for trajgrad.advantages.td against per-step loops (spec §6, §20.4).
 
 Every case draws random masks, terminations, truncations and bootstrap values, stores
 garbage (NaN, ±inf, or huge finite numbers) wherever the documented rules say an input is

@@ -1,4 +1,4 @@
-"""Tests for trajgrad.ratios (spec §7, §16, §17, §23, §24)."""
+"""Tests for trajgrad.logprobs.ratios (spec §7, §16, §17, §23, §24)."""
 from __future__ import annotations
 
 import math

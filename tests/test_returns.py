@@ -1,4 +1,4 @@
-"""Tests for trajgrad.returns (spec §2, §3, §6, §20.4, §21, §24)."""
+"""Tests for trajgrad.advantages.returns (spec §2, §3, §6, §20.4, §21, §24)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Tests for trajgrad._scan: the backward affine scan against a plain loop."""
+"""Tests for trajgrad.advantages._scan: the backward affine scan against a plain loop."""
 from __future__ import annotations
 
 import torch

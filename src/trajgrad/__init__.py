@@ -1,7 +1,8 @@
 """trajgrad: exact, gradient-proven RL estimators for LLM agents, and a trainer that uses them.
 
-The core (``logprobs``, ``returns``, ``baselines``, ``ratios``, ``aggregate``, ``losses``,
-``diagnostics``) is pure PyTorch. See the README for the estimator table.
+The core (``logprobs``: log-probs and ratios; ``advantages``: advantages and returns; ``losses``;
+``aggregate``; ``control``: the Lagrange multiplier and teacher router; ``fused``; ``diagnostics``)
+is pure PyTorch. See the README for the estimator table and the layout.
 """
 import sys as _sys
 import types as _types

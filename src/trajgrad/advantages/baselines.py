@@ -25,7 +25,7 @@ uniform rescaling that acts like a 6.5% smaller learning rate under SGD (Adam mo
 it). The population std is kept as the default: it is the statistic of the group itself,
 and it makes :math:`\sum_iA_i^2=G` (up to :math:`\epsilon`).
 
-REINFORCE++, MaxRL and GDPO, built from these pieces, are in :mod:`trajgrad.advantages`.
+REINFORCE++, MaxRL and GDPO, built from these pieces, are in :mod:`trajgrad.advantages.normalized`.
 
 All rewards are evidence: they are detached and no output carries a gradient.
 """

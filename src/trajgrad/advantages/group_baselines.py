@@ -13,8 +13,8 @@ r"""Outcome advantages with group baselines other than the mean: Pass@k, GPG, OP
                             each path's cumulative logit-gradient norm (OTB, Li et al. 2026)
 ==========================  ================================================================
 
-Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
-``group_ids``), detached; results are :class:`trajgrad.baselines.GroupAdvantages` (per-group
+Same conventions as :mod:`trajgrad.advantages.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
+``group_ids``), detached; results are :class:`trajgrad.advantages.baselines.GroupAdvantages` (per-group
 ``mean``, population ``std`` and ``zero_variance`` of the raw rewards).
 """
 from __future__ import annotations

@@ -28,12 +28,12 @@ Conventions shared by every function here:
   gradient. (Train a critic with :func:`trajgrad.losses.value_loss` on the ``returns``.)
 * Every backward recursion is evaluated without a Python loop over time: the affine
   recurrence :math:`A_t=d_t+c_tA_{t+1}` is solved by the work-efficient, log-depth
-  parallel scan of :mod:`trajgrad._scan`. It only multiplies coefficients in
+  parallel scan of :mod:`trajgrad.advantages._scan`. It only multiplies coefficients in
   :math:`[0,1]` and adds bounded terms, so it neither overflows nor underflows at any
   length, unlike the closed form through :math:`c^t` and a reversed cumulative sum.
 
-The GAE family lives in :mod:`trajgrad.gae` and is re-exported here, so every name in the
-table imports from ``trajgrad.returns``.
+The GAE family lives in :mod:`trajgrad.advantages.td` and is re-exported here, so every name in the
+table imports from ``trajgrad.advantages.returns``.
 """
 from __future__ import annotations
 
