@@ -9,8 +9,8 @@ For every case the same float64 inputs go through three things, timed side by si
   steps it reads ``truncation_value`` (CleanRL's ``nextnonterminal`` written out). Each case
   runs the cheapest loop that has its features; the "vs plain loop" column divides the plain
   loop's time instead, the fastest loop there is;
-* **trajgrad**: :func:`trajgrad.returns.gae`, :func:`~trajgrad.returns.token_skip_observation_gae`
-  or :func:`~trajgrad.returns.skip_observation_gae`, input validation included;
+* **trajgrad**: :func:`trajgrad.advantages.returns.gae`, :func:`~trajgrad.advantages.returns.token_skip_observation_gae`
+  or :func:`~trajgrad.advantages.returns.skip_observation_gae`, input validation included;
 * the **one-pass floor**: a single elementwise operation over the same ``[B, L]`` tensors,
   ``torch.addcmul(rewards, values, values)`` (a fused multiply-add) and
   ``torch.where(mask, rewards, values)``. No implementation that reads its inputs can beat it.
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from trajgrad._scan import suffix_affine_scan_
-from trajgrad.returns import gae, skip_observation_gae, token_skip_observation_gae
+from trajgrad.advantages._scan import suffix_affine_scan_
+from trajgrad.advantages.returns import gae, skip_observation_gae, token_skip_observation_gae
 
 GAMMA, LAM = 1.0, 0.95
 F64 = torch.float64
@@ -365,7 +365,7 @@ def main(argv=None):
         "reduction over the offset (every valid input enters it; the per-input check runs only when it is "
         "not finite, to name the input).",
         "",
-        "The scan by itself (`trajgrad._scan.suffix_affine_scan_` on the same shapes, in place, its input "
+        "The scan by itself (`trajgrad.advantages._scan.suffix_affine_scan_` on the same shapes, in place, its input "
         "copies untimed; a tensor coefficient with values in {gamma*lam, 0, 1}, i.e. carry, stop and padding, "
         "as the flagged cases use; best of "
         f"{5 * args.repeats}), against one FMA pass over the same shape:",

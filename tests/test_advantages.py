@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajgrad.advantages import gdpo_advantages, maxrl_advantages, reinforce_pp_advantages, reinforce_pp_token_advantages
-from trajgrad.baselines import group_advantages
+from trajgrad.advantages.baselines import group_advantages
 
 F64 = torch.float64
 
@@ -177,7 +177,7 @@ def test_gdpo_keeps_reward_combinations_apart_where_grpo_collapses_them():
 
 
 def test_gdpo_verl_form_is_the_unnormalized_sum_whitened():
-    from trajgrad.baselines import whiten
+    from trajgrad.advantages.baselines import whiten
 
     g = torch.Generator().manual_seed(4)
     rewards = torch.randint(0, 2, (3, 4, 2), generator=g).to(F64)

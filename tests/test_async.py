@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad import returns
+from trajgrad.advantages import returns
 from trajgrad.envs.base import StepResult, Task
 from trajgrad.envs.latency import LatencyEnv, LatencyTaskSource, lognormal_mean, with_latency
 from trajgrad.rollout import read_trajectories

@@ -1,4 +1,4 @@
-"""Tests for trajgrad.baselines (spec §4, §5, §11, §12, §24)."""
+"""Tests for trajgrad.advantages.baselines (spec §4, §5, §11, §12, §24)."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.baselines import broadcast_to_tokens, group_advantages, leave_one_out
+from trajgrad.advantages.baselines import broadcast_to_tokens, group_advantages, leave_one_out
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -363,7 +363,7 @@ def _verl_masked_whiten(values, mask, shift_mean=True):
 
 @pytest.mark.parametrize("shift_mean", [True, False])
 def test_whiten_matches_verl_form(shift_mean):
-    from trajgrad.baselines import whiten
+    from trajgrad.advantages.baselines import whiten
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 6, generator=g, dtype=F64) * 3 + 1
@@ -382,7 +382,7 @@ def test_whiten_matches_verl_form(shift_mean):
 
 
 def test_whiten_ignores_poison_detaches_and_handles_a_constant_batch():
-    from trajgrad.baselines import whiten
+    from trajgrad.advantages.baselines import whiten
 
     x = t([[1.0, math.nan, 3.0], [math.inf, 2.0, -math.inf]]).requires_grad_(True)
     mask = torch.tensor([[1, 0, 1], [0, 1, 0]])
@@ -407,7 +407,7 @@ def test_whiten_ignores_poison_detaches_and_handles_a_constant_batch():
     ],
 )
 def test_whiten_bad_input(args, kw, name):
-    from trajgrad.baselines import whiten
+    from trajgrad.advantages.baselines import whiten
 
     with pytest.raises(ValueError, match=name):
         whiten(*args, **kw)

@@ -1,11 +1,11 @@
-"""Tests for trajgrad.correction (rollout correction: TIS, MIS, rejection, sequence masking)."""
+"""Tests for trajgrad.logprobs.correction (rollout correction: TIS, MIS, rejection, sequence masking)."""
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from trajgrad.correction import RolloutCorrection, rollout_correction
+from trajgrad.logprobs.correction import RolloutCorrection, rollout_correction
 from trajgrad.losses import ppo_clip_loss, reinforce_loss
 
 D64 = torch.float64

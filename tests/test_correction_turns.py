@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trajgrad.correction import rollout_correction, turn_metrics
+from trajgrad.logprobs.correction import rollout_correction, turn_metrics
 from trajgrad.turn_stats import group_stats, mismatch_by_turn
 from trajgrad.objective import RECIPES
 from trajgrad.train import updates

@@ -1,4 +1,4 @@
-"""trajgrad.credit: turn rewards at turn ends, action indices, terminal masks, bootstrap values."""
+"""trajgrad.advantages.credit: turn rewards at turn ends, action indices, terminal masks, bootstrap values."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad import credit
-from trajgrad.baselines import broadcast_to_tokens
+from trajgrad.advantages import credit
+from trajgrad.advantages.baselines import broadcast_to_tokens
 
 # row 0: prompt, turn 0 (2 tokens), observation, turn 1 (1 token), pad
 # row 1: turn 0 (3 tokens), pad

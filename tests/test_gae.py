@@ -1,4 +1,4 @@
-"""Property tests for trajgrad.gae against per-step loops (spec §6, §20.4).
+"""Property tests for trajgrad.advantages.td against per-step loops (spec §6, §20.4).
 
 Every case draws random masks, terminations, truncations and bootstrap values, stores
 garbage (NaN, ±inf, or huge finite numbers) wherever the documented rules say an input is
@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trajgrad.gae as gae_module
-import trajgrad.returns as returns_module
+import trajgrad.advantages.td as gae_module
+import trajgrad.advantages.returns as returns_module
 from trajgrad import _checks
-from trajgrad.returns import GAEOutput, gae, skip_observation_gae, token_skip_observation_gae
+from trajgrad.advantages.returns import GAEOutput, gae, skip_observation_gae, token_skip_observation_gae
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -312,7 +312,7 @@ def test_one_finiteness_reduction_still_names_each_input(lam, bad, layout):
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16, torch.bfloat16])
 def test_bitwise_selection_is_exact_selection(dtype):
-    from trajgrad._steps import Padding
+    from trajgrad.advantages._steps import Padding
 
     gen = torch.Generator().manual_seed(4)
     mask = torch.rand(3, 50, generator=gen) > 0.4
@@ -360,7 +360,7 @@ def test_many_right_padded_rows_and_low_precision_with_garbage():
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
 def test_select_is_where(dtype):
-    from trajgrad._steps import select
+    from trajgrad.advantages._steps import select
 
     gen = torch.Generator().manual_seed(6)
     where = torch.rand(4, 33, generator=gen) > 0.5

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.group_baselines import gpg_advantages, opo_advantages, passk_advantages
+from trajgrad.advantages.group_baselines import gpg_advantages, opo_advantages, passk_advantages
 from trajgrad.objective import get_recipe
 
 F64 = torch.float64
@@ -108,7 +108,7 @@ def test_registry_entries_call_the_core_functions():
 
 
 def test_remax_subtracts_the_greedy_reward_and_checks_its_input():
-    from trajgrad.group_baselines import remax_advantages
+    from trajgrad.advantages.group_baselines import remax_advantages
 
     r = torch.tensor([1.0, 0.0, 2.0], dtype=F64)
     b = torch.tensor([0.5, 0.5, 1.0], dtype=F64)
@@ -158,7 +158,7 @@ def _otb_loop(r, mask, gids, lp, s2, eps=1e-8, zero_lone=True):
 
 @pytest.mark.parametrize("zero_lone", [True, False])
 def test_optimal_token_baseline_equals_the_loop(zero_lone):
-    from trajgrad.group_baselines import optimal_token_baseline
+    from trajgrad.advantages.group_baselines import optimal_token_baseline
 
     for seed in range(3):
         r, mask, gids, lp, s2 = _otb_inputs(seed)
@@ -171,7 +171,7 @@ def test_optimal_token_baseline_equals_the_loop(zero_lone):
 def test_optimal_token_baseline_with_equal_energy_is_the_mean_of_the_live_returns():
     """w_t = 1 everywhere (Σπ² = 2π): W_t = t + 1 for every right-padded response, so b_t is the plain mean of
     the returns of the responses still running at t."""
-    from trajgrad.group_baselines import optimal_token_baseline
+    from trajgrad.advantages.group_baselines import optimal_token_baseline
 
     r, mask, gids, lp, _ = _otb_inputs(5)
     s2 = 2 * lp.exp()
@@ -185,7 +185,7 @@ def test_optimal_token_baseline_with_equal_energy_is_the_mean_of_the_live_return
 
 
 def test_optimal_token_baseline_ignores_masked_nan_and_names_bad_inputs():
-    from trajgrad.group_baselines import optimal_token_baseline
+    from trajgrad.advantages.group_baselines import optimal_token_baseline
 
     r, mask, gids, lp, s2 = _otb_inputs(6)
     ref = optimal_token_baseline(r, mask, gids, lp, s2).advantages
@@ -205,7 +205,7 @@ def test_optimal_token_baseline_ignores_masked_nan_and_names_bad_inputs():
 def test_optimal_token_baseline_aligned_by_action_index_equals_the_loop():
     """align="action": the k-th action token of each response shares the baseline, whatever observation
     tokens came before it (multi-turn responses)."""
-    from trajgrad.group_baselines import optimal_token_baseline
+    from trajgrad.advantages.group_baselines import optimal_token_baseline
 
     r, mask, gids, lp, s2 = _otb_inputs(8)
     mask = mask.clone()

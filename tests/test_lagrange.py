@@ -1,4 +1,4 @@
-"""Tests for trajgrad.losses.lagrange (spec §22)."""
+"""Tests for trajgrad.control.lagrange (spec §22)."""
 import math
 
 import pytest

@@ -5,9 +5,9 @@ from pathlib import Path
 import trajgrad
 
 ROOT = Path(trajgrad.__file__).parent
-CORE_MODULES = ["_checks", "aggregate", "logprobs", "returns", "gae", "_scan", "_steps", "credit", "baselines",
-                "advantages", "ratios", "correction", "diagnostics", "types", "registry"]
-CORE_PACKAGES = ["fused", "losses"]
+CORE_MODULES = ["_checks", "_moved", "aggregate", "diagnostics", "turn_stats", "entropy_control", "types", "registry"]
+# log-probs and ratios; advantages and returns; the objective's steered coefficients; chunked kernels; losses
+CORE_PACKAGES = ["logprobs", "advantages", "control", "fused", "losses"]
 ABOVE = ("trajgrad.train", "trajgrad.rollout", "trajgrad.serve", "trajgrad.envs", "trajgrad.model", "trajgrad.weights",
          "trajgrad.peers", "trajgrad.verify", "trajgrad.cli", "trajgrad.objective", "trajgrad.terms",
          "trajgrad.estimators", "trajgrad.recipes", "trajgrad.explain")
@@ -43,7 +43,7 @@ def test_the_core_imports_nothing_from_above():
         for name in _imports(path, package):
             assert not name.startswith(ABOVE), f"{path.relative_to(ROOT)} imports {name}"
             assert name.split(".")[0] not in THIRD_PARTY_ABOVE, f"{path.relative_to(ROOT)} imports {name}"
-    assert seen >= 30
+    assert seen >= 50  # 8 modules + every file of the 5 packages
 
 
 def test_the_scan_resolves_relative_imports():

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trajgrad
-from trajgrad import logprobs as lp_mod
+from trajgrad.logprobs import sampling as lp_mod
 from trajgrad.logprobs import (
     entropy,
     sampling_logits,
@@ -18,7 +18,7 @@ from trajgrad.logprobs import (
     shift_mask,
     token_logprobs,
 )
-from trajgrad.ratios import token_log_ratio
+from trajgrad.logprobs.ratios import token_log_ratio
 
 hf = pytest.importorskip("transformers.generation.logits_process")
 

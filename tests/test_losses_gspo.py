@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from trajgrad import ratios
+from trajgrad.logprobs import ratios
 from trajgrad.aggregate import MODES, aggregate, local_count
 from trajgrad.losses import gspo_loss, gspo_token_loss, reinforce_loss
 

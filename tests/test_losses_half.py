@@ -11,7 +11,7 @@ from trajgrad.losses.gspo import gspo_loss, gspo_token_loss
 from trajgrad.losses.kl import kl_estimate
 from trajgrad.losses.ppo import ppo_clip_loss
 from trajgrad.losses.sapo import sapo_loss
-from trajgrad.ratios import gspo_sequence_ratio, gspo_token_ratio
+from trajgrad.logprobs.ratios import gspo_sequence_ratio, gspo_token_ratio
 
 LOSSES = {
     "ppo": lambda lp, old, adv, m: ppo_clip_loss(lp, old, adv, m),

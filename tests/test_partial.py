@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajgrad.envs.base import StepResult, Task
-from trajgrad.ratios import segment_log_ratios
+from trajgrad.logprobs.ratios import segment_log_ratios
 from trajgrad.rollout import HFSampler, Trajectory, Turn, collate
 from trajgrad.model.tiny import build_tiny_model
 from trajgrad.model.tokenizer import build_char_tokenizer

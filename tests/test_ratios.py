@@ -1,4 +1,4 @@
-"""Tests for trajgrad.ratios (spec §7, §16, §17, §23, §24)."""
+"""Tests for trajgrad.logprobs.ratios (spec §7, §16, §17, §23, §24)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.ratios import (
+from trajgrad.logprobs.ratios import (
     gspo_log_sequence_ratio,
     gspo_sequence_ratio,
     gspo_token_ratio,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trajgrad import losses, terms
-from trajgrad.correction import OFF, RolloutCorrection, rollout_correction
+from trajgrad.logprobs.correction import OFF, RolloutCorrection, rollout_correction
 from trajgrad.objective import RECIPES, explain, explain_diff, get_recipe
 from trajgrad.registry import PolicyInputs
 from trajgrad.verify import verify

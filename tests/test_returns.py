@@ -1,4 +1,4 @@
-"""Tests for trajgrad.returns (spec §2, §3, §6, §20.4, §21, §24)."""
+"""Tests for trajgrad.advantages.returns (spec §2, §3, §6, §20.4, §21, §24)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.returns import (
+from trajgrad.advantages.returns import (
     GAEOutput,
     discounted_return,
     gae,

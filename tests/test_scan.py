@@ -1,11 +1,11 @@
-"""Tests for trajgrad._scan: the backward affine scan against a plain loop."""
+"""Tests for trajgrad.advantages._scan: the backward affine scan against a plain loop."""
 from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad import _scan
+from trajgrad.advantages import _scan
 
 F64 = torch.float64
 

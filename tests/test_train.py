@@ -285,7 +285,7 @@ def _compaction_batch():
 
 
 def test_next_segment_rows_and_bootstrap_values():
-    from trajgrad.credit import bootstrap_values
+    from trajgrad.advantages.credit import bootstrap_values
 
     batch = _compaction_batch()
     assert batch.next_segment_rows().tolist() == [-1, -1, 0, -1]
@@ -306,7 +306,7 @@ def test_next_segment_rows_and_bootstrap_values():
 
 
 def test_critic_bootstraps_a_compacted_sub_trace_from_the_next_one(tmp_path):
-    from trajgrad.credit import bootstrap_values
+    from trajgrad.advantages.credit import bootstrap_values
 
     torch.manual_seed(0)
     tr = Trainer(micro_config("ppo", critic={"warmup_steps": 0}), tmp_path / "run", console=lambda *_: None)

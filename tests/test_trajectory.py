@@ -325,7 +325,7 @@ def test_collate_rows_are_the_trajectories(trs):
 def test_collate_nan_in_masked_old_logp_never_reaches_a_loss():
     """The NaN that collate() puts in masked slots leaves loss and gradient finite and
     equal to a run with those slots cleaned (selection, not multiplication)."""
-    from trajgrad.ratios import token_log_ratio
+    from trajgrad.logprobs.ratios import token_log_ratio
 
     batch = collate([hand_trajectory(), short_trajectory()], pad_id=0, dtype=torch.float64)
     torch.manual_seed(0)

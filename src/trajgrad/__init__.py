@@ -1,11 +1,13 @@
 """trajgrad: exact, gradient-proven RL estimators for LLM agents, and a trainer that uses them.
 
-The core (``logprobs``, ``returns``, ``baselines``, ``ratios``, ``aggregate``, ``losses``,
-``diagnostics``) is pure PyTorch. See the README for the estimator table.
+The core (``logprobs``: log-probs and ratios; ``advantages``: advantages and returns; ``losses``;
+``aggregate``; ``control``: the Lagrange multiplier and teacher router; ``fused``; ``diagnostics``)
+is pure PyTorch. See the README for the estimator table and the layout.
 """
 import sys as _sys
 import types as _types
 
+from . import _moved
 from ._checks import validation
 from .api import train
 from .api import train as _api_train
@@ -29,6 +31,7 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+_moved.install()
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import advantages, baselines, group_baselines, returns
+from . import advantages
+from .advantages import baselines, group_baselines, returns
 from .registry import AdvantageEstimator, register_advantage_estimator
 
 

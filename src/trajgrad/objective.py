@@ -27,7 +27,7 @@ import torch
 
 from . import _checks
 from .aggregate import MODES, aggregate
-from .correction import OFF, RolloutCorrection
+from .logprobs.correction import OFF, RolloutCorrection
 from .registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_TERMS,

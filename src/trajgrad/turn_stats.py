@@ -3,7 +3,7 @@ r"""Per-turn statistics of per-token quantities (spec §7, §16).
 :func:`group_stats` sums (and takes the minimum and maximum of) per-token quantities over the
 valid tokens of each group — a turn index of a multi-turn episode — in one scatter pass per
 quantity; :func:`mismatch_by_turn` is the sampler–learner mismatch per turn;
-:func:`trajgrad.correction.turn_metrics` the rollout correction's metrics per turn. Everything
+:func:`trajgrad.logprobs.correction.turn_metrics` the rollout correction's metrics per turn. Everything
 returned is detached; values at masked positions are never read.
 """
 from __future__ import annotations

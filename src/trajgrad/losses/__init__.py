@@ -55,12 +55,11 @@ from .dppo import dppo_kl_loss, dppo_tv_loss
 from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
-from .lagrange import LagrangeMultiplier
+from ..control import LagrangeMultiplier, TeacherRouter
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
 from .sapo import sapo_loss
-from .teacher_router import TeacherRouter
 from .value import value_loss
 from .vespo import vespo_loss
 

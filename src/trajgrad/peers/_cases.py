@@ -142,7 +142,7 @@ def _token_weighted(r, lengths):
     """``[M]`` per-response values whitened over tokens (verl's ``masked_whiten`` of the broadcast values)."""
     import torch
 
-    from ..baselines import whiten
+    from ..advantages.baselines import whiten
 
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     return whiten(r[:, None].expand(-1, mask.shape[1]), mask, unbiased=True, eps=1e-8)[:, 0]
@@ -165,13 +165,13 @@ def _gdpo_lengths(r, gids, lengths):
 
 
 def _gpg_nonzero(r, gids):
-    from ..group_baselines import gpg_advantages
+    from ..advantages.group_baselines import gpg_advantages
 
     return gpg_advantages(r, group_ids=gids, count="nonzero").advantages
 
 
 def _opo(r, gids, lengths):
-    from ..group_baselines import opo_advantages
+    from ..advantages.group_baselines import opo_advantages
 
     return opo_advantages(r, lengths, group_ids=gids).advantages
 
@@ -207,14 +207,14 @@ def _greedy_reward(r, gids):
 
 
 def _remax(r, gids, lengths):
-    from ..group_baselines import remax_advantages
+    from ..advantages.group_baselines import remax_advantages
 
     return remax_advantages(r, _greedy_reward(r, gids))
 
 
 def _otb(align: str):
     def ours(rewards, mask, gids, lp, s2):
-        from ..group_baselines import optimal_token_baseline
+        from ..advantages.group_baselines import optimal_token_baseline
 
         return optimal_token_baseline(rewards, mask, gids, lp, s2, align=align).advantages
     return ours

@@ -116,7 +116,7 @@ def _check_recipe(cfg, errors: _Errors):
 def _check_rollout_correction(value: Dict[str, Any], errors: _Errors) -> bool:
     """``recipe.overrides.rollout_correction``: known keys, strict types, then the setting's own
     validation, each error under ``recipe.overrides.rollout_correction.<key>``."""
-    from ..correction import RolloutCorrection
+    from ..logprobs.correction import RolloutCorrection
 
     prefix = "recipe.overrides.rollout_correction"
     hints = typing.get_type_hints(RolloutCorrection)

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..baselines import GroupAdvantages
+from ..advantages.baselines import GroupAdvantages
 from ..objective import Objective
 from ..registry import ADVANTAGE_ESTIMATORS
 from .collect import STAT_KEYS, collect_groups, next_in_order

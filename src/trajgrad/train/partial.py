@@ -22,7 +22,7 @@ exactly that version's sampling distribution, so every option of §16 is availab
   the version that sampled it. A *sequence-level* ratio (GSPO, §17; a trajectory
   weight) must not multiply tokens of different behaviour policies into one ratio
   against one checkpoint: form it per segment with
-  :func:`trajgrad.ratios.segment_log_ratios`, with the segment ids from
+  :func:`trajgrad.logprobs.ratios.segment_log_ratios`, with the segment ids from
   :func:`segment_ids` (the rank of each token's version within its row).
 
 ``"newest_segment"``
@@ -208,7 +208,7 @@ def apply_partial_policy(trajectories, policy: str) -> PartialResult:
 
 
 def segment_ids(policy_version: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Behaviour-segment ids for :func:`trajgrad.ratios.segment_log_ratios`.
+    """Behaviour-segment ids for :func:`trajgrad.logprobs.ratios.segment_log_ratios`.
 
     Args:
       policy_version: ``[B, L]`` long, the sampling version of each token

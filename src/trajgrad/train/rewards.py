@@ -5,8 +5,8 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from .. import credit
-from .. import returns as returns_lib
+from ..advantages import credit
+from ..advantages import returns as returns_lib
 from ..rollout import RolloutBatch
 
 
@@ -55,6 +55,7 @@ def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=N
 
 
 def token_rewards(batch: RolloutBatch, turn_r: torch.Tensor) -> torch.Tensor:
-    """``[B, L]``: each turn's reward on its last action token (:func:`trajgrad.credit.place_turn_rewards`)."""
+    """``[B, L]``: each turn's reward on its last action token
+    (:func:`trajgrad.advantages.credit.place_turn_rewards`)."""
     return credit.place_turn_rewards(turn_r, batch.action_mask, batch.turn_ids, batch.turn_mask)
 

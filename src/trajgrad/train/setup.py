@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..losses import LagrangeMultiplier
+from ..control import LagrangeMultiplier
 from ..objective import Objective
 from ..rollout import HFSampler
 from .config import Config

@@ -24,10 +24,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import credit
+from ..advantages import credit
 from .. import distributed as dist_lib
 from ..aggregate import Normalizer, aggregate, masked_mean
-from ..correction import turn_metrics
+from ..logprobs.correction import turn_metrics
 from ..diagnostics import explained_variance
 from ..turn_stats import mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs

@@ -48,7 +48,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "shift_logits_and_targets",
@@ -408,15 +408,3 @@ def entropy(
     if valid is not None:
         h = _checks.fill_masked(h, valid)
     return h
-
-
-def __getattr__(name: str):
-    # ``fused_token_logprobs`` is listed under this module in DESIGN.md but lives in
-    # ``trajgrad.fused``; re-export lazily so neither module imports the other at load time.
-    if name == "fused_token_logprobs":
-        try:
-            from .fused import fused_token_logprobs
-        except ImportError as exc:  # pragma: no cover - only while trajgrad.fused is absent
-            raise AttributeError(f"{name}: trajgrad.fused is not available ({exc})") from exc
-        return fused_token_logprobs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,15 +7,15 @@ r"""Generalized Advantage Estimation over time, flat and skip-observation (spec 
 ``skip_observation_gae``         one entry per model action, values supplied explicitly (§20.4)
 ===============================  ===========================================================
 
-The conventions of :mod:`trajgrad.returns` hold: ``[B, T]`` tensors, ``mask = 0`` steps
+The conventions of :mod:`trajgrad.advantages.returns` hold: ``[B, T]`` tensors, ``mask = 0`` steps
 skipped (never terminal, output 0, their contents never reach a valid output), rewards and
 values detached, no output carries a gradient. The names are re-exported by
-:mod:`trajgrad.returns`.
+:mod:`trajgrad.advantages.returns`.
 
-Cost. Each function is one backward affine scan (:mod:`trajgrad._scan`, in place) plus a
+Cost. Each function is one backward affine scan (:mod:`trajgrad.advantages._scan`, in place) plus a
 fixed number of elementwise passes over ``[B, T]``: there is no Python loop over time, no
 gather of the next valid step, and the flags only change the per-step coefficient of the
-one scan. Padding contents are removed by selection (:class:`trajgrad._steps.Padding`: a bitwise
+one scan. Padding contents are removed by selection (:class:`trajgrad.advantages._steps.Padding`: a bitwise
 AND with the mask, or a tail fill per row for right padding) before anything reads them and
 again from the outputs, so stored NaN/±inf never leak; the only large allocation is the
 outputs' block. Finiteness of the valid inputs is checked by one reduction over the scan's
@@ -28,7 +28,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import _checks, _steps
+from .. import _checks
+from . import _steps
 from ._scan import suffix_affine_scan_
 
 Number = Union[float, int, torch.Tensor]
@@ -110,7 +111,7 @@ def _gae_scan(r, v, pad, carry, ends, gamma, lam, n0, boot, check=None):
     padding (its offset is 0 and nothing valid follows), and the bootstrap enters at the
     last valid step directly.
 
-    Padding entries are replaced by selection (``pad``, a :class:`trajgrad._steps.Padding`)
+    Padding entries are replaced by selection (``pad``, a :class:`trajgrad.advantages._steps.Padding`)
     before they are read and after every step that could have carried stored NaN/inf into
     them, so nothing stored there reaches a valid output. One ``[2, B, T]`` block is
     allocated for the two outputs; the coefficients live in the advantage half until the

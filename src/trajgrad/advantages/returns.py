@@ -28,12 +28,12 @@ Conventions shared by every function here:
   gradient. (Train a critic with :func:`trajgrad.losses.value_loss` on the ``returns``.)
 * Every backward recursion is evaluated without a Python loop over time: the affine
   recurrence :math:`A_t=d_t+c_tA_{t+1}` is solved by the work-efficient, log-depth
-  parallel scan of :mod:`trajgrad._scan`. It only multiplies coefficients in
+  parallel scan of :mod:`trajgrad.advantages._scan`. It only multiplies coefficients in
   :math:`[0,1]` and adds bounded terms, so it neither overflows nor underflows at any
   length, unlike the closed form through :math:`c^t` and a reversed cumulative sum.
 
-The GAE family lives in :mod:`trajgrad.gae` and is re-exported here, so every name in the
-table imports from ``trajgrad.returns``.
+The GAE family lives in :mod:`trajgrad.advantages.td` and is re-exported here, so every name in the
+table imports from ``trajgrad.advantages.returns``.
 """
 from __future__ import annotations
 
@@ -41,11 +41,9 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _scan, _steps
-from ._scan import next_valid_index as _next_valid_index  # noqa: F401  (kept for importers)
-from ._scan import suffix_affine_scan as _suffix_affine_scan  # noqa: F401
-from ._scan import suffix_affine_scan_ as _suffix_affine_scan_  # noqa: F401
-from .gae import GAEOutput, Number, gae, skip_observation_gae, token_skip_observation_gae
+from .. import _checks
+from . import _scan, _steps
+from .td import GAEOutput, Number, gae, skip_observation_gae, token_skip_observation_gae
 
 __all__ = [
     "GAEOutput",

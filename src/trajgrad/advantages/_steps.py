@@ -1,4 +1,4 @@
-"""Per-step inputs of :mod:`trajgrad.returns` and :mod:`trajgrad.gae`: validation and selection.
+"""Per-step inputs of :mod:`trajgrad.advantages.returns` and :mod:`trajgrad.advantages.td`: validation and selection.
 
 Each helper raises ``ValueError`` naming the argument (see :mod:`trajgrad._checks`) and
 returns detached floating-point tensors. Masked steps may hold anything, NaN and ±inf
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "as_float",

@@ -10,8 +10,8 @@ r"""Advantage estimators built on group and batch statistics: REINFORCE++, MaxRL
                                   normalized over the batch (GDPO, Liu et al. 2026)
 ================================  ===========================================================
 
-Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
-``group_ids``), detached, results as :class:`trajgrad.baselines.GroupAdvantages`.
+Same conventions as :mod:`trajgrad.advantages.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
+``group_ids``), detached, results as :class:`trajgrad.advantages.baselines.GroupAdvantages`.
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from typing import Optional
 
 import torch
 
-from . import _checks
-from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats, _weighted_whiten, group_advantages, whiten
+from .. import _checks
+from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
+from .baselines import GroupAdvantages, group_advantages, whiten
+from .returns import reward_to_go
 
 __all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages"]
 
@@ -105,7 +107,7 @@ def reinforce_pp_token_advantages(
 
     where :math:`r_t` carries the per-token KL penalty :math:`-\beta k_t` and the outcome
     reward at the last token (Hu et al. 2025; verl's ``reinforce_plus_plus`` estimator).
-    :func:`trajgrad.returns.reward_to_go` bridges masked (observation) tokens without
+    :func:`trajgrad.advantages.returns.reward_to_go` bridges masked (observation) tokens without
     discount; verl's loop instead restarts the sum at every masked position, which is the
     same for single-turn responses padded on the right.
 
@@ -117,7 +119,6 @@ def reinforce_pp_token_advantages(
     Returns:
       ``[B, L]`` advantages, 0 at masked positions; detached.
     """
-    from .returns import reward_to_go
 
     g = reward_to_go(token_rewards, gamma=gamma, mask=mask)
     return whiten(g, mask, unbiased=unbiased, eps=eps)

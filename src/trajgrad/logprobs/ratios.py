@@ -24,7 +24,7 @@ from typing import Tuple
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 
 def _prepare(logp, old_logp, mask):

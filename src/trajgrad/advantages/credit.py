@@ -11,7 +11,7 @@ functions here are the small index computations every critic-based update needs,
   (§20.4 writes the TD residual of action :math:`k` at that token);
 * :func:`place_turn_rewards`: the turn rewards :math:`r_k` written at those tokens, 0
   elsewhere: the token reward sequence of skip-observation GAE (§6, §20.4). It is the
-  inverse of :func:`trajgrad.baselines.broadcast_to_tokens`: reading the placed tensor at
+  inverse of :func:`trajgrad.advantages.baselines.broadcast_to_tokens`: reading the placed tensor at
   :func:`turn_end_positions` gives back the turn rewards, and the placed tensor equals
   the broadcast one at the turn-end tokens and 0 elsewhere;
 * :func:`terminal_token_mask` / :func:`terminal_turn_mask`: True at the last action token
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from .. import _checks
 
 __all__ = [
     "last_action_index",
@@ -130,7 +130,7 @@ def place_turn_rewards(turn_rewards, mask, turn_ids, turn_mask=None) -> torch.Te
     with :math:`\mathrm{end}_{b,k}` from :func:`turn_end_positions`. This is the token
     reward sequence of (skip-observation) GAE: a turn's reward arrives after its last token,
     and the observation tokens between turns carry no loss position. Inverse of
-    :func:`trajgrad.baselines.broadcast_to_tokens`: the result equals the broadcast turn
+    :func:`trajgrad.advantages.baselines.broadcast_to_tokens`: the result equals the broadcast turn
     values at the turn-end tokens and 0 at every other position.
 
     Args:

@@ -1,6 +1,6 @@
 r"""Linear recurrences over time, solved without a Python loop over steps.
 
-Every backward recursion in :mod:`trajgrad.returns` is the affine recurrence
+Every backward recursion in :mod:`trajgrad.advantages.returns` is the affine recurrence
 
 .. math:: A_t = d_t + c_tA_{t+1},\qquad A_T = 0,
 

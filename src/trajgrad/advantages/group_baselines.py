@@ -13,8 +13,8 @@ r"""Outcome advantages with group baselines other than the mean: Pass@k, GPG, OP
                             each path's cumulative logit-gradient norm (OTB, Li et al. 2026)
 ==========================  ================================================================
 
-Same conventions as :mod:`trajgrad.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
-``group_ids``), detached; results are :class:`trajgrad.baselines.GroupAdvantages` (per-group
+Same conventions as :mod:`trajgrad.advantages.baselines`: rewards ``[N, G]`` (or ``[M]`` with integer
+``group_ids``), detached; results are :class:`trajgrad.advantages.baselines.GroupAdvantages` (per-group
 ``mean``, population ``std`` and ``zero_variance`` of the raw rewards).
 """
 from __future__ import annotations
@@ -23,8 +23,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _checks
-from .baselines import GroupAdvantages, _eps, _per_item, _rewards, _stats
+from .. import _checks
+from ._groups import _eps, _per_item, _rewards, _stats
+from .baselines import GroupAdvantages
+from .returns import reward_to_go
 
 __all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages", "optimal_token_baseline",
            "TokenAdvantages"]
@@ -272,7 +274,6 @@ def optimal_token_baseline(
     Returns:
       :class:`TokenAdvantages` (advantages and reward-to-go, 0 at masked positions); detached.
     """
-    from .returns import reward_to_go
 
     eps = _eps(eps)
     if align not in OTB_ALIGN:
