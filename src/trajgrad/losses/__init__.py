@@ -48,7 +48,7 @@ from .distill import (
     sampled_token_kl,
 )
 from .cispo import cispo_loss
-from .cov import clip_cov_loss, kl_cov_loss
+from .cov import clip_cov_candidates, clip_cov_loss, kl_cov_loss, kl_cov_top_tokens, token_covariance
 from .dpo import dpo_loss, sequence_logp
 from .dro import dro_loss
 from .dppo import dppo_kl_loss, dppo_tv_loss
@@ -92,4 +92,7 @@ __all__ = [
     "sampled_token_kl",
     "multi_teacher_distill_loss",
     "TeacherRouter",
+    "token_covariance",
+    "clip_cov_candidates",
+    "kl_cov_top_tokens",
 ]
