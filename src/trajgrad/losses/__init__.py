@@ -56,6 +56,7 @@ from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
 from .lagrange import LagrangeMultiplier
+from .multi_teacher import normalized_teacher_weights
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
@@ -95,4 +96,5 @@ __all__ = [
     "token_covariance",
     "clip_cov_candidates",
     "kl_cov_top_tokens",
+    "normalized_teacher_weights",
 ]
