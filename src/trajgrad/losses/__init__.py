@@ -56,6 +56,7 @@ from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
 from .lagrange import LagrangeMultiplier
+from .lagrangian import lagrangian_loss
 from .multi_teacher import normalized_teacher_weights
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
@@ -97,4 +98,5 @@ __all__ = [
     "clip_cov_candidates",
     "kl_cov_top_tokens",
     "normalized_teacher_weights",
+    "lagrangian_loss",
 ]
