@@ -51,7 +51,7 @@ from .cispo import cispo_loss
 from .cov import clip_cov_candidates, clip_cov_loss, kl_cov_loss, kl_cov_top_tokens, token_covariance
 from .dpo import dpo_loss, sequence_logp
 from .dro import dro_loss
-from .dppo import dppo_kl_loss, dppo_tv_loss
+from .dppo import dppo_binary_divergence, dppo_kl_loss, dppo_trust_mask, dppo_tv_loss
 from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
@@ -99,4 +99,6 @@ __all__ = [
     "kl_cov_top_tokens",
     "normalized_teacher_weights",
     "lagrangian_loss",
+    "dppo_binary_divergence",
+    "dppo_trust_mask",
 ]
