@@ -132,10 +132,16 @@ def test_bypass_current_is_the_target_and_describe_names_the_choices():
     assert torch.equal(a.keep, b.keep)
     text = RolloutCorrection(kind="tis", cap_low=0.5, seq_mask_delta=0.1, advantage_level="token",
                              mismatch_policy="current").describe()
-    assert "min(max(rho, 0.5), 2)" in text and "token-level advantage" in text and "current policy" in text
+    assert "min(max(rho, 0.5), 2)" in text and "A per token, pi = the current policy" in text
     assert RolloutCorrection(seq_mask_delta=0.1).describe() == (
         "decoupled: truncated IS min(rho, 2) at token level; rho = pi_old/mu; drop A<0 sequences with "
-        "mean(log mu - log pi) > 0.1; dropped tokens stay in the denominator")
+        "mean(log mu - log pi) > 0.1; sequence mask: A one per sequence ([B, L] must be constant per row), "
+        "pi = the proximal policy; dropped tokens stay in the denominator")
+    bypass = RolloutCorrection(kind="none", mode="bypass", seq_mask_delta=0.1, advantage_level="sequence")
+    assert "A the row's mean, pi = the current policy" in bypass.describe()
+    # without the sequence mask the text is the earlier one
+    assert RolloutCorrection(kind="tis", cap=3.0).describe() == (
+        "decoupled: truncated IS min(rho, 3) at token level; rho = pi_old/mu; dropped tokens stay in the denominator")
 
 
 def _tis_hand(beh, tgt, mask, level, cap, cap_low):

@@ -236,10 +236,10 @@ class RolloutCorrection:
             parts.append(f"reject {self.reject_level}s with {self.reject} > {self.reject_threshold:g}")
         if self.seq_mask_delta is not None:
             parts.append(f"drop A<0 sequences with mean(log mu - log pi) > {self.seq_mask_delta:g}")
-            if self.advantage_level is not None:
-                parts.append(f"sequence mask tests the {self.advantage_level}-level advantage")
-            if self.mismatch_policy is not None:
-                parts.append(f"sequence mask's pi is the {self.mismatch_policy} policy")
+            level = {None: "one per sequence ([B, L] must be constant per row)", "token": "per token",
+                     "sequence": "the row's mean", "first": "the row's first valid token"}[self.advantage_level]
+            policy = self.mismatch_policy or ("proximal" if self.mode == "decoupled" else "current")
+            parts.append(f"sequence mask: A {level}, pi = the {policy} policy")
         return "; ".join(parts) + "; dropped tokens stay in the denominator"
 
 
