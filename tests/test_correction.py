@@ -171,7 +171,7 @@ def test_weights_in_a_loss_leave_the_numerator_not_the_denominator():
     "kw,name",
     [
         ({"kind": "is"}, "kind"),
-        ({"kind": "tis", "level": "geometric"}, "level"),
+        ({"kind": "tis", "level": "arithmetic"}, "level"),
         ({"cap": 0.0}, "cap"),
         ({"cap": math.inf}, "cap"),
         ({"kind": "mis", "bounds": (2.0, 1.0)}, "bounds"),

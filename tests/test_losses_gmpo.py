@@ -109,3 +109,81 @@ def test_weights_spread_the_response_term():
     res, g = run(logp, old, adv, mask)
     assert res_w.loss.item() == pytest.approx(res.loss.item(), rel=1e-12)
     assert torch.allclose(g_w, g, atol=1e-14)
+
+
+def _sequence_clip_hand(logp, adv, mask, old, cl, ch):
+    """The paper's sequence-level clipping written as a loop: per response, the mean log-ratio
+    zbar, clipped as min(sgn*zbar, sgn*clamp(zbar)) * sgn; J_i = A_i exp(zbar~); loss -mean_i J_i."""
+    total, G = 0.0, 0
+    for i in range(logp.shape[0]):
+        ts = [t for t in range(logp.shape[1]) if mask[i, t]]
+        if not ts:
+            continue
+        zbar = sum(logp[i, t] - old[i, t] for t in ts) / len(ts)
+        sgn = 1.0 if adv[i] > 0 else -1.0
+        zc = sgn * torch.minimum(sgn * zbar, sgn * zbar.clamp(-cl, ch))
+        total = total + float(adv[i]) * torch.exp(zc)
+        G += 1
+    return -total / G
+
+
+@pytest.mark.parametrize("cl,ch", [(0.4, 0.4), (0.1, 0.3)])
+def test_sequence_level_clipping_matches_the_paper_in_value_and_gradient(cl, ch):
+    logp, old, adv, mask = batch(6, B=8, noise=1.5)
+    res, g = run(logp, old, adv, mask, clip_low=cl, clip_high=ch, clip_level="sequence")
+    lp = logp.clone().requires_grad_(True)
+    want = _sequence_clip_hand(lp, adv, mask, old, cl, ch)
+    g_want, = torch.autograd.grad(want, lp)
+    assert res.loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(g, g_want, atol=1e-14)
+    clipped_rows = (g.abs().sum(-1) == 0) & (mask.sum(-1) > 0)
+    assert 0 < int(clipped_rows.sum()) < 7
+    n_clipped_tokens = (mask * clipped_rows[:, None]).sum() / mask.sum()
+    assert res.metrics["clip_frac"].item() == pytest.approx(n_clipped_tokens.item())
+
+
+def test_sequence_level_equals_token_level_when_nothing_clips():
+    logp, old, adv, mask = batch(3, noise=0.05)
+    a, ga = run(logp, old, adv, mask, clip_level="sequence", clip_low=1.0, clip_high=1.0)
+    b, gb = run(logp, old, adv, mask, clip_low=1.0, clip_high=1.0)
+    assert a.loss.item() == pytest.approx(b.loss.item(), rel=1e-12) and torch.allclose(ga, gb, atol=1e-14)
+
+
+def test_clip_level_docstring_worked_example():
+    logp = torch.tensor([[0.7, 0.3]], dtype=D64)
+    old = torch.zeros(1, 2, dtype=D64)
+    adv, mask = torch.tensor([1.0], dtype=D64), torch.ones(1, 2, dtype=D64)
+    tok, g_tok = run(logp, old, adv, mask)
+    seq, g_seq = run(logp, old, adv, mask, clip_level="sequence")
+    assert tok.loss.item() == pytest.approx(-1.419068, abs=1e-6)
+    assert g_tok.tolist() == [[0.0, pytest.approx(-0.709534, abs=1e-6)]]
+    assert seq.loss.item() == pytest.approx(-1.491825, abs=1e-6) and g_seq.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("v", [math.nan, math.inf, -math.inf])
+def test_sequence_level_masked_positions_are_inert(v):
+    logp, old, adv, mask = batch(2)
+    mask[1, 0] = 0
+    r0, g0 = run(logp, old, adv, mask, clip_level="sequence")
+    lp, od = logp.clone(), old.clone()
+    lp[1, 0], od[1, 0] = v, v
+    r, g = run(lp, od, adv, mask, clip_level="sequence")
+    assert r.loss.item() == pytest.approx(r0.loss.item(), rel=1e-12) and torch.equal(g, g0)
+
+
+def test_bad_clip_level_names_itself():
+    logp, old, adv, mask = batch()
+    with pytest.raises(ValueError, match="clip_level"):
+        gmpo_loss(logp, old, adv, mask, clip_level="row")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), c=st.floats(0.05, 1.0))
+def test_sequence_level_ratio_stays_inside_its_one_sided_bound(seed, c):
+    logp, old, adv, mask = batch(seed)
+    res = gmpo_loss(logp, old, adv, mask, clip_low=c, clip_high=c, clip_level="sequence")
+    # every response's clipped mean log-ratio obeys its side's bound, so |J_i| <= |A_i| e^c on the clipped side
+    lengths = mask.sum(-1)
+    zbar = ((logp - old) * mask).sum(-1) / lengths.clamp_min(1)
+    j = torch.where(adv > 0, adv * torch.exp(zbar.clamp(max=c)), adv * torch.exp(zbar.clamp(min=-c)))
+    assert res.loss.item() == pytest.approx(-j[lengths > 0].mean().item(), rel=1e-12)

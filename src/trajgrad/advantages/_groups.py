@@ -84,10 +84,15 @@ def _eps(eps) -> float:
 
 
 def _weighted_whiten(x: torch.Tensor, w: torch.Tensor, *, shift_mean: bool, unbiased: bool, eps: float,
-                     name: str = "mask", std_plus_eps: bool = False) -> torch.Tensor:
-    """Whiten ``x`` with weights ``w >= 0`` (counts); entries with ``w == 0`` are ignored and returned as 0."""
+                     name: str = "mask", std_plus_eps: bool = False, empty: str = "error") -> torch.Tensor:
+    """Whiten ``x`` with weights ``w >= 0`` (counts); entries with ``w == 0`` are ignored and returned as 0.
+
+    ``empty="zeros"``: a batch with no valid entry (or one, with ``unbiased``) returns zeros."""
     valid = w > 0
     n = w.sum()
+    few = not bool(n > 0) or (unbiased and not bool(n > 1))
+    if few and empty == "zeros":
+        return torch.zeros_like(x) if shift_mean else torch.where(valid, x, torch.zeros_like(x))
     if not bool(n > 0):
         raise ValueError(f"{name}: no valid entry to normalize over")
     if unbiased and not bool(n > 1):

@@ -38,7 +38,8 @@ import torch
 from .. import _checks
 from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
 
-__all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens", "whiten"]
+__all__ = ["GroupAdvantages", "SCALES", "group_advantages", "leave_one_out", "broadcast_to_tokens", "whiten",
+           "WHITEN_EPS", "WHITEN_EMPTY"]
 
 SCALES = ("std", "none", "batch_std")
 
@@ -218,6 +219,18 @@ def broadcast_to_tokens(
     return _checks.fill_masked(out, m)
 
 
+# ------------------------------------------------------------------ batch normalization
+WHITEN_EPS = ("variance", "std")
+WHITEN_EMPTY = ("error", "zeros")
+
+
+def _whiten_options(eps_placement: str, empty: str) -> bool:
+    """Check :func:`whiten`'s ``eps_placement`` and ``empty``; True for sigma + eps."""
+    _checks.check_choice("eps_placement", eps_placement, WHITEN_EPS)
+    _checks.check_choice("empty", empty, WHITEN_EMPTY)
+    return eps_placement == "std"
+
+
 def whiten(
     values: torch.Tensor,
     mask: Optional[torch.Tensor] = None,
@@ -225,6 +238,8 @@ def whiten(
     shift_mean: bool = True,
     unbiased: bool = True,
     eps: float = 1e-8,
+    eps_placement: str = "variance",
+    empty: str = "error",
 ) -> torch.Tensor:
     r"""Whiten ``values`` over the valid entries of the whole batch (verl's ``masked_whiten``).
 
@@ -248,12 +263,23 @@ def whiten(
     A batch whose valid entries are all equal returns exactly 0 (or :math:`\mu` with
     ``shift_mean=False``), where verl returns rounding noise times :math:`10^4`.
 
+    ``eps_placement="std"`` divides by :math:`\sigma+\epsilon` instead (OpenRLHF's and
+    REINFORCE++'s reference code); ``empty="zeros"`` returns zeros for a batch with no valid
+    entry (or one, where the unbiased variance needs two) instead of the error. Worked
+    example, :math:`x=(1, 3)`, unbiased, :math:`\epsilon=1`: :math:`\mu=2`,
+    :math:`\sigma^2=2`; ``"variance"`` gives :math:`\mp1/\sqrt3=\mp0.577350`, ``"std"``
+    gives :math:`\mp1/(\sqrt2+1)=\mp0.414214`.
+
     Args:
       values: any-shape floating tensor (detached here); NaN/inf allowed at masked entries.
       mask: optional 0/1 mask of the same shape (default all valid).
       shift_mean: False adds the mean back after scaling.
       unbiased: Bessel's correction :math:`n/(n-1)` (verl's default); needs :math:`n\ge2`.
-      eps: :math:`\epsilon\ge0` added to the variance.
+      eps: :math:`\epsilon\ge0` added to the variance (or the std, below).
+      eps_placement: ``"variance"`` (:math:`\sqrt{\sigma^2+\epsilon}`, default) or ``"std"``
+        (:math:`\sigma+\epsilon`).
+      empty: ``"error"`` (default: ``ValueError`` naming ``mask``) or ``"zeros"``, for a batch
+        with too few valid entries.
 
     Returns:
       Whitened values, shape of ``values``, exactly 0 at masked entries; detached.
@@ -263,4 +289,6 @@ def whiten(
     x = x.detach()
     m = torch.ones(x.shape, dtype=torch.bool, device=x.device) if mask is None else _checks.check_mask("mask", mask, x.shape)
     _checks.check_finite("values", x, m)
-    return _weighted_whiten(x, m.to(x.dtype), shift_mean=bool(shift_mean), unbiased=bool(unbiased), eps=_eps(eps))
+    std_plus_eps = _whiten_options(eps_placement, empty)
+    return _weighted_whiten(x, m.to(x.dtype), shift_mean=bool(shift_mean), unbiased=bool(unbiased), eps=_eps(eps),
+                            std_plus_eps=std_plus_eps, empty=empty)

@@ -21,10 +21,11 @@ import torch
 
 from .. import _checks
 from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
-from .baselines import GroupAdvantages, group_advantages, whiten
+from .baselines import WHITEN_EMPTY, WHITEN_EPS, GroupAdvantages, group_advantages, whiten
 from .returns import reward_to_go
 
-__all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages"]
+__all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages",
+           "MAXRL_EPS"]
 
 
 def reinforce_pp_advantages(
@@ -35,6 +36,8 @@ def reinforce_pp_advantages(
     lengths: Optional[torch.Tensor] = None,
     unbiased: bool = True,
     eps: float = 1e-8,
+    eps_placement: str = "variance",
+    empty: str = "error",
 ) -> GroupAdvantages:
     r"""REINFORCE++ advantages: rewards normalized over the global batch (Hu et al. 2025, arXiv 2501.03262).
 
@@ -63,6 +66,11 @@ def reinforce_pp_advantages(
       lengths: optional token counts, shape of ``rewards`` (``>= 0``; 0 = not counted).
       unbiased: Bessel-corrected batch variance (verl's default).
       eps: :math:`\epsilon` under the square root (verl: :math:`10^{-8}`).
+      eps_placement: ``"variance"`` (:math:`\sqrt{\sigma^2+\epsilon}`, default) or ``"std"``
+        (:math:`(\tilde R_i-\mu)/(\sigma+\epsilon)`, the REINFORCE++ reference code); see
+        :func:`trajgrad.baselines.whiten` for a worked example.
+      empty: ``"error"`` (default) or ``"zeros"``: advantages of a batch with no counted
+        response (all ``lengths`` 0, or one response with ``unbiased``) are 0.
 
     Returns:
       :class:`GroupAdvantages`; ``mean``/``std``/``zero_variance`` are per group (one group =
@@ -70,6 +78,8 @@ def reinforce_pp_advantages(
     """
     r = _rewards(rewards)
     eps = _eps(eps)
+    _checks.check_choice("eps_placement", eps_placement, WHITEN_EPS)
+    _checks.check_choice("empty", empty, WHITEN_EMPTY)
     grouped = group_ids is not None or r.ndim == 2
     if group_baseline and not grouped:
         raise ValueError("group_ids: group_baseline=True needs groups ([N, G] rewards or group_ids)")
@@ -88,7 +98,8 @@ def reinforce_pp_advantages(
         if bool((w < 0).any()):
             raise ValueError("lengths: must be >= 0")
     adv = _weighted_whiten(centred, w, shift_mean=True, unbiased=bool(unbiased), eps=eps,
-                           name="lengths" if lengths is not None else "rewards")
+                           name="lengths" if lengths is not None else "rewards",
+                           std_plus_eps=eps_placement == "std", empty=empty)
     return GroupAdvantages(adv, mean, std, zero_variance)
 
 
@@ -99,6 +110,8 @@ def reinforce_pp_token_advantages(
     gamma: float = 1.0,
     unbiased: bool = True,
     eps: float = 1e-8,
+    eps_placement: str = "variance",
+    empty: str = "error",
 ) -> torch.Tensor:
     r"""Token-level REINFORCE++: reward-to-go of the per-token rewards, whitened over the batch's tokens.
 
@@ -115,16 +128,21 @@ def reinforce_pp_token_advantages(
       token_rewards: ``[B, L]`` per-token rewards (detached).
       mask: ``[B, L]`` action mask.
       gamma: discount in ``[0, 1]``.
-      unbiased, eps: see :func:`whiten`.
+      unbiased, eps, eps_placement, empty: see :func:`trajgrad.baselines.whiten` (``empty="zeros"``:
+        a batch with no valid token gives zeros).
     Returns:
       ``[B, L]`` advantages, 0 at masked positions; detached.
     """
 
     g = reward_to_go(token_rewards, gamma=gamma, mask=mask)
-    return whiten(g, mask, unbiased=unbiased, eps=eps)
+    return whiten(g, mask, unbiased=unbiased, eps=eps, eps_placement=eps_placement, empty=empty)
 
 
-def maxrl_advantages(rewards: torch.Tensor, *, group_ids: Optional[torch.Tensor] = None) -> GroupAdvantages:
+MAXRL_EPS = ("max", "add")
+
+
+def maxrl_advantages(rewards: torch.Tensor, *, group_ids: Optional[torch.Tensor] = None, eps: float = 0.0,
+                     eps_mode: str = "max", centred: bool = True) -> GroupAdvantages:
     r"""MaxRL advantages: the group-centred reward divided by the group *mean* (Tajwar et al. 2026, arXiv 2602.02710).
 
     .. math:: A_i=\frac{R_i-\bar R}{\bar R}\quad(\bar R>0),\qquad A_i=0\quad(\bar R=0).
@@ -140,13 +158,25 @@ def maxrl_advantages(rewards: torch.Tensor, *, group_ids: Optional[torch.Tensor]
     **Mean-zero rule.** Rewards must be non-negative (a success probability, e.g. 0/1 or a
     pass rate in [0, 1]); then :math:`\bar R=0` means no rollout succeeded, and the
     advantages are exactly 0 (the paper's no-success convention: the success-conditioned
-    average is empty). All-success groups give 0 as well (:math:`R_i=\bar R`). There is no
-    :math:`\epsilon`: a tiny positive mean gives large advantages, by design (weight
-    :math:`1/p`).
+    average is empty). All-success groups give 0 as well (:math:`R_i=\bar R`). With the
+    default ``eps=0`` there is no :math:`\epsilon`: a tiny positive mean gives large
+    advantages, by design (weight :math:`1/p`).
+
+    **Conventions.** The denominator :math:`D` is :math:`\max(\bar R,\epsilon)`
+    (``eps_mode="max"``, default) or :math:`\bar R+\epsilon` (``"add"``, TRL's form);
+    :math:`A_i=(R_i-\bar R)/D`, or the uncentred :math:`A_i=R_i/D` (``centred=False``: the
+    success-conditioned average without the control variate; an all-success group then gives
+    1). :math:`D=0` (no success, :math:`\epsilon=0`) gives 0. Worked example,
+    :math:`R=(1,0,0,0)`, :math:`\bar R=0.25`, :math:`\epsilon=0.25`: ``"max"`` gives
+    :math:`(3,-1,-1,-1)`, ``"add"`` gives :math:`(1.5,-0.5,-0.5,-0.5)`; ``centred=False``
+    with :math:`\epsilon=0` gives :math:`(4,0,0,0)`.
 
     Args:
       rewards: ``[N, G]`` or ``[M]`` with ``group_ids``; every entry ``>= 0``. Detached.
       group_ids: optional ``[M]`` integer group labels.
+      eps: :math:`\epsilon\ge0` (finite).
+      eps_mode: ``"max"`` or ``"add"`` (above).
+      centred: subtract the group mean (default) or not.
 
     Returns:
       :class:`GroupAdvantages` (population std of the rewards; ``zero_variance`` flags
@@ -155,11 +185,15 @@ def maxrl_advantages(rewards: torch.Tensor, *, group_ids: Optional[torch.Tensor]
     r = _rewards(rewards)
     if r.numel() and bool((r < 0).any()):
         raise ValueError("rewards: MaxRL needs non-negative rewards (a success indicator or probability)")
+    eps = _eps(eps)
+    _checks.check_choice("eps_mode", eps_mode, MAXRL_EPS)
     mean, std, zero_variance, _, _, index = _stats(r, group_ids)
     m = _per_item(mean, index).expand_as(r)
-    safe = torch.where(m > 0, m, torch.ones_like(m))
-    adv = torch.where(m > 0, (r - m) / safe, torch.zeros_like(r))
-    adv = torch.where(_per_item(zero_variance, index).expand_as(r), torch.zeros_like(adv), adv)
+    den = m.clamp_min(eps) if eps_mode == "max" else m + eps
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    adv = torch.where(den > 0, ((r - m) if centred else r) / safe, torch.zeros_like(r))
+    if centred:
+        adv = torch.where(_per_item(zero_variance, index).expand_as(r), torch.zeros_like(adv), adv)
     return GroupAdvantages(adv, mean, std, zero_variance)
 
 

@@ -39,6 +39,8 @@ kind       level        weight of token :math:`t` of sequence :math:`i`
 ``tis``    token        :math:`\min(\rho_t, C)` (truncated IS; Ionides 2008; Yao et al. 2025,
                         "Your efficient RL framework secretly brings you off-policy RL")
 ``tis``    sequence     :math:`\min(\prod_t\rho_t, C)`, the same for every token of :math:`i`
+``tis``    geometric    :math:`\min(\bar\rho_i, C)`, :math:`\bar\rho_i` as below (the
+                        geometric-mean ratio, truncated)
 ``mis``    token        :math:`\rho_t\,\mathbb 1[a\le\rho_t\le b]` (masked IS; IcePop, Ling
                         team 2025, bounds :math:`[0.5, 5]`)
 ``mis``    sequence     :math:`\rho_i\,\mathbb 1[a\le\rho_i\le b]`, :math:`\rho_i=\prod_t\rho_t`
@@ -47,6 +49,15 @@ kind       level        weight of token :math:`t` of sequence :math:`i`
                         §17: a length-normalized weight, not an unbiased IS weight)
 ``none``   —            1 (only the masks below)
 =========  ===========  ======================================================================
+
+Two-sided TIS (``cap_low`` :math:`c>0`, :math:`c<C`): the tested ratio is clamped to
+:math:`[c, C]` instead of :math:`(0, C]`, i.e. :math:`\min(\max(\rho, c), C)` at the
+chosen level. MIS takes equal bounds :math:`a=b` (only a ratio exactly :math:`a` is kept).
+Worked examples (:math:`z` at one token, log space): ``tis`` with :math:`C=2`,
+:math:`c=0.5` maps :math:`\rho=(4, 1, 0.25)` to :math:`(2, 1, 0.5)`; ``tis`` at
+``geometric`` level on a row with :math:`z=(\log 4, 0)` gives :math:`\bar\rho=e^{\log 4/2}=2`,
+so with :math:`C=1.5` every token's weight is 1.5; ``mis`` with bounds :math:`(1, 1)` on
+:math:`\rho=(1, 2)` gives weights :math:`(1, 0)`.
 
 Sequence products are formed in log space (:math:`\min(\rho,C)=e^{\min(z,\log C)}`), so
 long responses neither overflow nor underflow to NaN. In bypass mode every weight is
@@ -58,12 +69,30 @@ the per-token sampled estimate of :math:`\mathrm{KL}(\mu\Vert\pi)` —
 divergence") — is compared with :math:`\kappa`: per token (``reject_level="token"``), or
 its mean over the sequence (``"sequence"``, default: the whole response is dropped).
 
-**Off-policy sequence masking** (DeepSeek-V3.2, ``seq_mask_delta`` :math:`\delta`): a
-response with :math:`\hat A_i<0` whose mismatch
-:math:`\frac1{L_i}\sum_t(\log\mu_t-\log\pi_t)>\delta` is dropped (negative updates on
-samples the learner would not have produced are the destabilizing ones). The paper
-measures it against the current policy: use bypass mode, or decoupled mode where the
-proximal policy equals the current one at the first step of each update.
+**Off-policy sequence masking** (DeepSeek-V3.2, ``seq_mask_delta`` :math:`\delta`): the
+paper's mask is :math:`M_{i,t}=0` where :math:`\hat A_{i,t}<0` and the response's mismatch
+:math:`\frac1{L_i}\sum_t(\log\mu_t-\log\pi_t)>\delta`, else 1 (negative updates on
+samples the learner would not have produced are the destabilizing ones). Which advantage
+is tested is ``advantage_level``:
+
+* ``"token"``: each token's own :math:`\hat A_{i,t}` (token-level advantages, e.g. GAE:
+  only the negative tokens of a mismatched row are dropped);
+* ``"sequence"``: the row's mean advantage over its valid tokens, :math:`\bar A_i`
+  (the whole row is dropped or kept);
+* ``"first"``: the advantage at the row's first valid token (the convention of earlier
+  releases, kept to reproduce their runs);
+* ``None`` (default): ``[B]`` advantages, or ``[B, L]`` ones constant over each row's valid
+  tokens, are the sequence's advantage (all four levels agree then); ``[B, L]`` advantages
+  that vary within a row are refused (say which level is meant).
+
+Which :math:`\pi` the mismatch is measured against is ``mismatch_policy``: ``"current"``
+(the paper: :math:`\mathrm{sg}[\pi_\theta]`; in bypass mode that is ``target_logp``, in
+decoupled mode pass ``current_logp``), ``"proximal"`` (:math:`\pi_{old}`, decoupled mode's
+``target_logp``), or ``None`` (default): ``target_logp`` as given, i.e. proximal in decoupled
+mode and current in bypass mode. Worked example (:math:`\delta=0.1`, one row, two tokens,
+:math:`\log\mu-\log\pi=(0.3, 0.1)`, mismatch 0.2 > 0.1, :math:`\hat A=(+1,-1)`):
+``"token"`` keeps token 0 and drops token 1; ``"sequence"`` (:math:`\bar A=0`) keeps both;
+``"first"`` (:math:`+1`) keeps both; ``None`` refuses the row-varying advantages.
 
 **Numerator and denominator.** A masked or rejected token has weight 0: it leaves the
 *numerator*. It stays in the *denominator* when the caller aggregates with the original
@@ -89,6 +118,8 @@ LEVELS = ("token", "sequence", "geometric")
 MODES = ("decoupled", "bypass")
 REJECT = ("k1", "k2", "k3")
 REJECT_LEVELS = ("token", "sequence")
+SEQ_MASK_LEVELS = ("token", "sequence", "first")
+MISMATCH_POLICIES = ("current", "proximal")
 
 
 class Correction(NamedTuple):
@@ -98,7 +129,7 @@ class Correction(NamedTuple):
       weight: ``[B, L]`` detached weight; 0 at masked, masked-IS and rejected positions.
       keep: ``[B, L]`` bool, ``mask`` and not dropped.
       metrics: dict of detached 0-D tensors (prefix ``correction/``).
-      drops: ``[B, L]`` bool per reason — ``truncated`` (TIS weight at the cap), ``masked``
+      drops: ``[B, L]`` bool per reason — ``truncated`` (TIS weight at a cap), ``masked``
         (outside the MIS bounds), ``rejected`` (divergence threshold), ``seq_masked``
         (DeepSeek-V3.2) — the sets the ``*_frac`` metrics count (:func:`turn_metrics`).
     """
@@ -125,11 +156,16 @@ class RolloutCorrection:
       kind: ``"tis"`` | ``"mis"`` | ``"none"``.
       level: ``"token"`` | ``"sequence"`` | ``"geometric"`` (``mis`` only).
       cap: TIS cap :math:`C>0` (default 2, Yao et al.).
-      bounds: MIS bounds :math:`0\\le a<b` (default IcePop's ``(0.5, 5.0)``).
+      cap_low: TIS lower cap :math:`0<c<C` (two-sided TIS) or ``None`` (one-sided, default).
+      bounds: MIS bounds :math:`0\\le a\\le b` (default IcePop's ``(0.5, 5.0)``).
       reject: ``"k1"`` | ``"k2"`` | ``"k3"`` or ``None``; ``reject_threshold`` :math:`\\kappa`.
       reject_level: ``"sequence"`` (default) or ``"token"``.
       seq_mask_delta: DeepSeek-V3.2 :math:`\\delta` or ``None``.
       mode: ``"decoupled"`` (default) or ``"bypass"``.
+      advantage_level: ``"token"`` | ``"sequence"`` | ``"first"`` | ``None``: which advantage the
+        sequence mask tests (module docstring).
+      mismatch_policy: ``"current"`` | ``"proximal"`` | ``None``: which policy the sequence
+        mask's mismatch is measured against (module docstring).
     """
 
     kind: str = "tis"
@@ -141,6 +177,9 @@ class RolloutCorrection:
     reject_level: str = "sequence"
     seq_mask_delta: Optional[float] = None
     mode: str = "decoupled"
+    cap_low: Optional[float] = None
+    advantage_level: Optional[str] = None
+    mismatch_policy: Optional[str] = None
 
     def __post_init__(self):
         validate(self)
@@ -170,18 +209,22 @@ class RolloutCorrection:
         raise ValueError(f"rollout_correction: must be None, a RolloutCorrection or a dict of its fields, "
                          f"got {value!r}")
 
-    def __call__(self, behaviour_logp, target_logp, mask, *, advantages=None) -> Correction:
+    def __call__(self, behaviour_logp, target_logp, mask, *, advantages=None, current_logp=None) -> Correction:
         return rollout_correction(
             behaviour_logp, target_logp, mask, advantages=advantages, kind=self.kind, level=self.level,
             cap=self.cap, bounds=self.bounds, reject=self.reject, reject_threshold=self.reject_threshold,
             reject_level=self.reject_level, seq_mask_delta=self.seq_mask_delta, mode=self.mode,
+            cap_low=self.cap_low, advantage_level=self.advantage_level, mismatch_policy=self.mismatch_policy,
+            current_logp=current_logp,
         )
 
     def describe(self) -> str:
         """One line for ``explain``."""
         if not self:
             return "off"
-        if self.kind == "tis":
+        if self.kind == "tis" and self.cap_low is not None:
+            w = f"two-sided truncated IS min(max(rho, {self.cap_low:g}), {self.cap:g}) at {self.level} level"
+        elif self.kind == "tis":
             w = f"truncated IS min(rho, {self.cap:g}) at {self.level} level"
         elif self.kind == "mis":
             a, b = self.bounds
@@ -194,6 +237,10 @@ class RolloutCorrection:
             parts.append(f"reject {self.reject_level}s with {self.reject} > {self.reject_threshold:g}")
         if self.seq_mask_delta is not None:
             parts.append(f"drop A<0 sequences with mean(log mu - log pi) > {self.seq_mask_delta:g}")
+            level = {None: "one per sequence ([B, L] must be constant per row)", "token": "per token",
+                     "sequence": "the row's mean", "first": "the row's first valid token"}[self.advantage_level]
+            policy = self.mismatch_policy or ("proximal" if self.mode == "decoupled" else "current")
+            parts.append(f"sequence mask: A {level}, pi = the {policy} policy")
         return "; ".join(parts) + "; dropped tokens stay in the denominator"
 
 
@@ -215,9 +262,13 @@ def validate(c: "RolloutCorrection") -> None:
     _checks.check_choice("mode", c.mode, MODES)
     _checks.check_choice("reject_level", c.reject_level, REJECT_LEVELS)
     if c.kind == "tis":
-        if c.level == "geometric":
-            raise ValueError("level: truncated IS takes 'token' or 'sequence' (a geometric mean is not an IS weight)")
-        _checks.check_positive("cap", _finite_number("cap", c.cap))
+        cap = _finite_number("cap", c.cap)
+        _checks.check_positive("cap", cap)
+        if c.cap_low is not None:
+            low = _finite_number("cap_low", c.cap_low)
+            _checks.check_positive("cap_low", low)
+            if not low < cap:
+                raise ValueError(f"cap_low: must be below cap ({cap:g}), got {low:g}")
         if c.mode == "bypass":
             raise ValueError("mode: truncated IS needs 'decoupled' (in bypass mode the ratio already carries pi/mu)")
     if c.kind == "mis":
@@ -226,8 +277,8 @@ def validate(c: "RolloutCorrection") -> None:
         except (TypeError, ValueError):
             raise ValueError(f"bounds: expected (low, high), got {c.bounds!r}") from None
         a, b = _finite_number("bounds", a), _finite_number("bounds", b)
-        if not (0.0 <= a < b):
-            raise ValueError(f"bounds: need 0 <= low < high, got ({a}, {b})")
+        if not (0.0 <= a <= b) or b == 0.0:
+            raise ValueError(f"bounds: need 0 <= low <= high, high > 0, got ({a}, {b})")
     if c.reject is not None:
         _checks.check_choice("reject", c.reject, REJECT)
         if c.reject_threshold is None:
@@ -235,8 +286,18 @@ def validate(c: "RolloutCorrection") -> None:
         _checks.check_positive("reject_threshold", _finite_number("reject_threshold", c.reject_threshold))
     elif c.reject_threshold is not None:
         raise ValueError("reject_threshold: given without reject ('k1', 'k2' or 'k3')")
+    if c.cap_low is not None and c.kind != "tis":
+        raise ValueError(f"cap_low: a lower cap of truncated IS (kind 'tis'), given with kind {c.kind!r}")
     if c.seq_mask_delta is not None:
         _checks.check_positive("seq_mask_delta", _finite_number("seq_mask_delta", c.seq_mask_delta), allow_zero=True)
+    for name, value, choices in (("advantage_level", c.advantage_level, SEQ_MASK_LEVELS),
+                                 ("mismatch_policy", c.mismatch_policy, MISMATCH_POLICIES)):
+        if value is not None:
+            _checks.check_choice(name, value, choices)
+            if c.seq_mask_delta is None:
+                raise ValueError(f"{name}: a setting of the sequence mask, given without seq_mask_delta")
+    if c.mismatch_policy == "proximal" and c.mode == "bypass":
+        raise ValueError("mismatch_policy: 'proximal' needs mode 'decoupled' (bypass mode has no proximal policy)")
 
 
 def rollout_correction(
@@ -254,6 +315,10 @@ def rollout_correction(
     reject_level: str = "sequence",
     seq_mask_delta: Optional[float] = None,
     mode: str = "decoupled",
+    cap_low: Optional[float] = None,
+    advantage_level: Optional[str] = None,
+    mismatch_policy: Optional[str] = None,
+    current_logp: Optional[torch.Tensor] = None,
 ) -> Correction:
     r"""Detached rollout-correction weights and keep mask (see the module docstring for the formulas).
 
@@ -262,10 +327,12 @@ def rollout_correction(
       target_logp: ``[B, L]`` :math:`\log\pi_{old}` (decoupled) or the current
         :math:`\log\pi_\theta` (bypass); detached here.
       mask: ``[B, L]`` action mask.
-      advantages: ``[B]`` or ``[B, L]`` (sign of the first valid token per sequence is
-        used); required with ``seq_mask_delta``.
-      kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode:
-        see :class:`RolloutCorrection`.
+      advantages: ``[B]`` or ``[B, L]``, tested at ``advantage_level`` (module docstring);
+        required with ``seq_mask_delta``.
+      current_logp: ``[B, L]`` current :math:`\log\pi_\theta` (detached here), required with
+        ``mismatch_policy="current"`` in decoupled mode.
+      kind, level, cap, cap_low, bounds, reject, reject_threshold, reject_level, seq_mask_delta,
+        mode, advantage_level, mismatch_policy: see :class:`RolloutCorrection`.
 
     Returns:
       :class:`Correction` ``(weight, keep, metrics)``. Metrics (``correction/`` prefix):
@@ -277,7 +344,8 @@ def rollout_correction(
       :math:`=\overline{-z}` and ``kl/k3`` :math:`=\overline{e^z-1-z}` of
       :math:`\mathrm{KL}(\mu\Vert\pi)` over valid tokens.
     """
-    cfg = RolloutCorrection(kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode)
+    cfg = RolloutCorrection(kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode,
+                            cap_low, advantage_level, mismatch_policy)
     beh = _checks.as_tensor("behaviour_logp", behaviour_logp).detach()
     _checks.check_ndim("behaviour_logp", beh, 2)
     _checks.check_floating("behaviour_logp", beh)
@@ -303,9 +371,12 @@ def rollout_correction(
         # weights (decoupled) -------------------------------------------------------
         if cfg.kind == "tis":
             log_c = math.log(cfg.cap)
-            zz = z if cfg.level == "token" else seq_z[:, None].expand_as(z)
-            truncated = (zz > log_c) & mb
-            weight = torch.exp(torch.clamp(zz, max=log_c))
+            zz = {"token": z, "sequence": seq_z[:, None].expand_as(z), "geometric": geo_z[:, None].expand_as(z)}[
+                cfg.level
+            ]
+            log_low = None if cfg.cap_low is None else math.log(cfg.cap_low)
+            truncated = ((zz > log_c) | ((zz < log_low) if log_low is not None else False)) & mb
+            weight = torch.exp(torch.clamp(zz, min=log_low, max=log_c))
         elif cfg.kind == "mis":
             a, b = (float(v) for v in cfg.bounds)
             log_a = math.log(a) if a > 0 else -math.inf
@@ -340,14 +411,16 @@ def rollout_correction(
         if cfg.seq_mask_delta is not None:
             if advantages is None:
                 raise ValueError("advantages: required with seq_mask_delta (only A < 0 sequences are masked)")
-            adv = _checks.as_tensor("advantages", advantages).detach()
-            _checks.check_ndim("advantages", adv, (1, 2))
-            adv = _checks.per_token("advantages", adv, beh.shape, mb, allow_per_sequence=True)
-            first = mb.to(torch.int8).argmax(-1) if beh.shape[-1] else torch.zeros(beh.shape[0], dtype=torch.long)
-            seq_adv = adv.gather(1, first[:, None]).squeeze(1) if beh.shape[-1] else adv.new_zeros(beh.shape[0])
-            mismatch = -geo_z  # mean(log mu - log pi)
-            drop = (seq_adv < 0) & (mismatch > float(cfg.seq_mask_delta)) & nonempty
-            seq_masked = drop[:, None] & mb
+            negative = _negative_advantage(advantages, mb, cfg.advantage_level)
+            if cfg.mismatch_policy == "current" and cfg.mode == "decoupled":
+                if current_logp is None:
+                    raise ValueError("current_logp: required with mismatch_policy 'current' in decoupled mode")
+                cur = _checks.as_tensor("current_logp", current_logp).detach()
+                cur = _checks.per_token("current_logp", cur, beh.shape, mb).to(dt)
+                mismatch = -(cur - beh.to(dt)).sum(-1) / lengths.clamp_min(1.0)
+            else:
+                mismatch = -geo_z  # mean(log mu - log pi), pi = target_logp
+            seq_masked = negative & ((mismatch > float(cfg.seq_mask_delta)) & nonempty)[:, None] & mb
 
         keep = mb & ~masked & ~rejected & ~seq_masked
         if cfg.mode == "bypass":
@@ -381,6 +454,28 @@ def rollout_correction(
         }
     drops = {"truncated": truncated, "masked": masked, "rejected": rejected, "seq_masked": seq_masked}
     return Correction(weight.detach(), keep, metrics, drops)
+
+
+def _negative_advantage(advantages, mb: torch.Tensor, level: Optional[str]) -> torch.Tensor:
+    """``[B, L]`` bool: where the sequence mask's advantage is negative, at ``level`` (module docstring)."""
+    adv = _checks.as_tensor("advantages", advantages).detach()
+    _checks.check_ndim("advantages", adv, (1, 2))
+    per_row = adv.ndim == 1
+    adv = _checks.per_token("advantages", adv, mb.shape, mb, allow_per_sequence=True)
+    if level == "token":
+        return adv < 0
+    if mb.shape[-1] == 0:
+        return torch.zeros(mb.shape, dtype=torch.bool, device=mb.device)
+    first = mb.to(torch.int8).argmax(-1)
+    first_adv = adv.gather(1, first[:, None])  # [B, 1]
+    if level is None and not per_row and bool(((adv != first_adv) & mb).any()):
+        raise ValueError("advantages: [B, L] advantages vary within a row; give advantage_level 'token' or "
+                         "'sequence' for the off-policy sequence mask")
+    if level == "sequence":
+        row = adv.sum(-1, keepdim=True) / mb.sum(-1, keepdim=True).clamp_min(1).to(adv.dtype)
+    else:  # "first", or None with one advantage per row
+        row = first_adv
+    return (row < 0).expand(mb.shape)
 
 
 def turn_metrics(corr: Correction, behaviour_logp: torch.Tensor, target_logp: torch.Tensor, mask: torch.Tensor,
@@ -430,4 +525,4 @@ def turn_metrics(corr: Correction, behaviour_logp: torch.Tensor, target_logp: to
 OFF = RolloutCorrection(kind="none")  # the no-op setting: Objective's default ("None = off")
 
 __all__ = ["OFF", "Correction", "RolloutCorrection", "rollout_correction", "turn_metrics", "KINDS", "LEVELS", "MODES",
-           "REJECT"]
+           "REJECT", "SEQ_MASK_LEVELS", "MISMATCH_POLICIES"]

@@ -48,14 +48,16 @@ from .distill import (
     sampled_token_kl,
 )
 from .cispo import cispo_loss
-from .cov import clip_cov_loss, kl_cov_loss
+from .cov import clip_cov_candidates, clip_cov_loss, kl_cov_loss, kl_cov_top_tokens, token_covariance
 from .dpo import dpo_loss, sequence_logp
 from .dro import dro_loss
-from .dppo import dppo_kl_loss, dppo_tv_loss
+from .dppo import dppo_binary_divergence, dppo_kl_loss, dppo_trust_mask, dppo_tv_loss
 from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
 from ..control import LagrangeMultiplier, TeacherRouter
+from .lagrangian import lagrangian_loss
+from .multi_teacher import normalized_teacher_weights
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
@@ -91,4 +93,11 @@ __all__ = [
     "sampled_token_kl",
     "multi_teacher_distill_loss",
     "TeacherRouter",
+    "token_covariance",
+    "clip_cov_candidates",
+    "kl_cov_top_tokens",
+    "normalized_teacher_weights",
+    "lagrangian_loss",
+    "dppo_binary_divergence",
+    "dppo_trust_mask",
 ]

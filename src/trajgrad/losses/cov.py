@@ -30,6 +30,30 @@ loss (every other loss here has that property, §13).
 
 Selection is a function of the detached inputs only (and, for Clip-Cov, the generator):
 the same inputs and seed select the same tokens.
+
+**The token sets are public** (check them against your own code): :func:`token_covariance`
+(:math:`\operatorname{Cov}_t`), :func:`clip_cov_candidates` (Clip-Cov's :math:`C`) and
+:func:`kl_cov_top_tokens` (KL-Cov's selection weights); the losses call the same functions.
+
+**Conventions** (paper vs the authors' verl code), each an argument:
+
+=======================  =============================================  ==========================
+argument                 values (default first)                         what
+=======================  =============================================  ==========================
+``selected`` (Clip-Cov)  ``"detach"``: :math:`\mathrm{sg}[s_t]` (value      the selected terms
+                         kept); ``"zero"``: :math:`0\cdot s_t` (verl)
+``cov_band`` (Clip-Cov)  ``"open"`` :math:`(\omega_l,\omega_h)` (verl);     the candidate window
+                         ``"closed"`` :math:`[\omega_l,\omega_h]` (paper)
+``exclude_clipped``      ``True``: PPO-clipped tokens are no candidates  candidates
+(Clip-Cov)               (verl); ``False``: they are
+``selection_mask``       ``None`` (random draw) or a caller's ``[B, L]``  :math:`S` itself
+(Clip-Cov)               mask
+``positive_only``        ``True``: only :math:`\operatorname{Cov}_t>0`;   KL-Cov's top tokens
+(KL-Cov)                 ``False``: top-k over all valid tokens (paper,
+                         verl)
+``base`` (KL-Cov)        ``"unclipped"`` :math:`-r_t\hat A_t`;           the surrogate
+                         ``"ppo_clip"``: PPO's clipped surrogate
+=======================  =============================================  ==========================
 """
 from __future__ import annotations
 
@@ -45,8 +69,13 @@ from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_wei
 from .ppo import _clip_bounds, _clipped_surrogate
 
 
+BANDS = ("open", "closed")
+SELECTED = ("detach", "zero")
+BASES = ("unclipped", "ppo_clip")
+
+
 def _covariance(x: Inputs) -> torch.Tensor:
-    """``[B, L]`` detached covariance term; 0 at masked slots."""
+    """``[B, L]`` detached covariance term; 0 at masked slots (:func:`token_covariance`)."""
     with torch.no_grad():
         n = x.tokens.clamp_min(1)
         lp = x.logp.detach()
@@ -66,15 +95,15 @@ def _check_ratio(name: str, value: float) -> float:
     return v
 
 
-def _select(keys: torch.Tensor, mass: float, dtype) -> torch.Tensor:
-    r"""Selection weights ``[B, L]`` in [0, 1] of total ``mass`` among the entries with ``keys > 0``.
+def _select(keys: torch.Tensor, mass: float, dtype, candidates: torch.Tensor) -> torch.Tensor:
+    r"""Selection weights ``[B, L]`` in [0, 1] of total ``mass`` among the ``candidates``.
 
-    ``keys`` is positive exactly at the candidates (0 or negative elsewhere). The
-    ``floor(mass)`` candidates of largest key get 1, the next one ``mass - floor(mass)``:
+    The ``floor(mass)`` candidates of largest key get 1, the next one ``mass - floor(mass)``:
     the selected mass is exactly :math:`rN`, continuous in the ratio (a hard
     :math:`\max(1,\lfloor rN\rfloor)` selects 1 token for every :math:`rN<2`). With fewer
     candidates, every candidate is selected fully.
     """
+    keys = torch.where(candidates, keys, torch.full_like(keys, -math.inf))
     flat = keys.reshape(-1)
     out = torch.zeros(flat.shape, dtype=dtype, device=keys.device)
     k = int(math.floor(mass))
@@ -82,12 +111,118 @@ def _select(keys: torch.Tensor, mass: float, dtype) -> torch.Tensor:
     take = min(k + (1 if frac > 0 else 0), flat.numel())
     if take > 0:
         vals, idx = torch.topk(flat, take, sorted=True)
-        ok = vals > 0
+        ok = vals > -math.inf
         n_ok = int(ok.sum())
         out[idx[:n_ok]] = 1.0  # sorted: the candidates come first
         if n_ok == take and take == k + 1:
             out[idx[take - 1]] = frac
     return out.reshape(keys.shape)
+
+
+def _candidates(x: Inputs, cov: torch.Tensor, z: torch.Tensor, lo_b: float, hi_b: float, lo_c: float, hi_c: float,
+                cov_band: str, exclude_clipped: bool) -> torch.Tensor:
+    """Clip-Cov's candidate set (:func:`clip_cov_candidates`), from checked inputs."""
+    with torch.no_grad():
+        inside = (cov > lo_c) & (cov < hi_c) if cov_band == "open" else (cov >= lo_c) & (cov <= hi_c)
+        out = inside & (x.maskf > 0)
+        if exclude_clipped:
+            clipped = ((x.advantages > 0) & (z > hi_b)) | ((x.advantages < 0) & (z < lo_b))
+            out = out & ~clipped
+        return out
+
+
+def _check_band(cov_low: float, cov_high: float, cov_band: str) -> tuple:
+    lo_c, hi_c = float(cov_low), float(cov_high)
+    if not (math.isfinite(lo_c) and math.isfinite(hi_c)) or not lo_c < hi_c:
+        raise ValueError(f"cov_low: need finite cov_low < cov_high, got ({cov_low}, {cov_high})")
+    _checks.check_choice("cov_band", cov_band, BANDS)
+    return lo_c, hi_c
+
+
+def _top(x: Inputs, cov: torch.Tensor, ratio: float, positive_only: bool, dtype) -> torch.Tensor:
+    """KL-Cov's selection weights (:func:`kl_cov_top_tokens`), from checked inputs."""
+    with torch.no_grad():
+        cand = (x.maskf > 0) & (cov > 0) if positive_only else x.maskf > 0
+        return _select(cov, _count(x, ratio), dtype, cand)
+
+
+def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""The per-token covariance of Clip-Cov and KL-Cov (Cui et al. 2025, §8), detached.
+
+    .. math:: \operatorname{Cov}_t=(\ell_t-\bar\ell)(\hat A_t-\bar A),\quad
+        \bar\ell=\tfrac1N\textstyle\sum_{t\ \mathrm{valid}}\ell_t,\ \bar A\text{ likewise},
+
+    over the ``N`` valid tokens of the batch; 0 at masked positions. Worked example:
+    :math:`\ell=(-1,-3)`, :math:`\hat A=(2,0)`: :math:`\bar\ell=-2`, :math:`\bar A=1`,
+    :math:`\operatorname{Cov}=(1\cdot1, -1\cdot-1)=(1, 1)`.
+
+    Args:
+      logp: ``[B, L]`` log-probs (the current policy's; detached here).
+      advantages: ``[B, L]`` or ``[B]``.
+      mask: ``[B, L]`` action mask.
+    """
+    x = prepare(logp, mask, advantages, aggregation="token_mean")
+    return _covariance(x)
+
+
+def clip_cov_candidates(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    cov_band: str = "open",
+    exclude_clipped: bool = True,
+) -> torch.Tensor:
+    r"""Clip-Cov's candidate tokens :math:`C` (``[B, L]`` bool), the set its random selection draws from.
+
+    .. math:: C=\{t\ \mathrm{valid}:\ \omega_l<\operatorname{Cov}_t<\omega_h\ (\text{or }
+        \le\text{ with }\texttt{cov\_band="closed"}),\ t\text{ not clipped by PPO (with
+        }\texttt{exclude\_clipped})\},
+
+    "clipped" meaning :math:`\hat A_t>0,\ r_t>1+\epsilon_h` or :math:`\hat A_t<0,\
+    r_t<1-\epsilon_l` (:func:`token_covariance` for :math:`\operatorname{Cov}_t`). Worked
+    example: :math:`\ell=\hat A=(0, 2, 4)` (:math:`\bar\ell=\bar A=2`,
+    :math:`\operatorname{Cov}=(4, 0, 4)`), window :math:`\omega=(0, 4)`, nothing clipped:
+    ``"open"`` gives :math:`(F, F, F)`, ``"closed"`` :math:`(T, T, T)`.
+
+    Args: as :func:`clip_cov_loss`.
+    """
+    _eps_low, _eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
+    lo_c, hi_c = _check_band(cov_low, cov_high, cov_band)
+    x = prepare(logp, mask, advantages, aggregation="token_mean", behaviour=old_logp, behaviour_name="old_logp")
+    return _candidates(x, _covariance(x), x.log_ratio().detach(), lo_b, hi_b, lo_c, hi_c, cov_band,
+                       bool(exclude_clipped))
+
+
+def kl_cov_top_tokens(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_ratio: float = 2e-3,
+    positive_only: bool = True,
+) -> torch.Tensor:
+    r"""KL-Cov's selection weights ``[B, L]`` in [0, 1]: the :math:`rN` tokens' worth of largest covariance.
+
+    The :math:`\lfloor rN\rfloor` valid tokens of largest :func:`token_covariance` get 1, the
+    next one :math:`rN-\lfloor rN\rfloor` (module docstring, "Selection mass"); with
+    ``positive_only`` (default) only tokens with :math:`\operatorname{Cov}_t>0` can be
+    selected, otherwise every valid token (the paper's top-k). Worked example:
+    :math:`\operatorname{Cov}=(2, -1, -3)` (one row), :math:`r=0.5` (:math:`rN=1.5`):
+    ``positive_only`` gives :math:`(1, 0, 0)`, ``False`` gives :math:`(1, 0.5, 0)`.
+
+    Args:
+      logp: ``[B, L]`` current log-probs (detached here). advantages: ``[B, L]`` or ``[B]``.
+      mask: ``[B, L]`` action mask. kl_ratio: :math:`r\in(0, 1]`. positive_only: as above.
+    """
+    r = _check_ratio("kl_ratio", kl_ratio)
+    x = prepare(logp, mask, advantages, aggregation="token_mean")
+    return _top(x, _covariance(x), r, bool(positive_only), x.maskf.dtype)
 
 
 def clip_cov_loss(
@@ -103,6 +238,10 @@ def clip_cov_loss(
     cov_high: float = 5.0,
     generator: Optional[torch.Generator] = None,
     seed: int = 0,
+    selected: str = "detach",
+    cov_band: str = "open",
+    exclude_clipped: bool = True,
+    selection_mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
@@ -121,7 +260,14 @@ def clip_cov_loss(
     clipped by PPO}\}` (covariance in the module docstring). Tokens in :math:`S` keep
     their value in the loss and lose their gradient; every other token has the PPO
     gradient :math:`\hat A_tr_t\nabla\ell_t` where active (§8). (verl multiplies the
-    selected terms by 0, which also drops their value; the gradient is the same.)
+    selected terms by 0, which also drops their value; the gradient is the same:
+    ``selected="zero"``.) The candidates are :func:`clip_cov_candidates`; ``cov_band``,
+    ``exclude_clipped`` and ``selection_mask`` are in the module docstring's table.
+
+    Worked example (one token, :math:`\hat A=1`, :math:`r=e^{0.1}=1.105171`, not clipped at
+    :math:`\epsilon=0.2`, selected by ``selection_mask``, ``token_mean``): ``"detach"`` gives
+    loss :math:`-1.105171` and gradient 0; ``"zero"`` gives loss 0 and gradient 0; not
+    selected, loss :math:`-1.105171` and gradient :math:`-1.105171`.
 
     Paper defaults: ``clip_ratio`` :math:`2\times10^{-4}`, :math:`(\omega_{low},
     \omega_{high})=(1,5)`, PPO :math:`\epsilon=0.2`.
@@ -139,6 +285,11 @@ def clip_cov_loss(
       clip_ratio: fraction :math:`r\in(0,1]` of valid tokens to detach.
       cov_low, cov_high: the covariance window :math:`\omega_{low}<\omega_{high}`.
       generator, seed: the random source of the selection.
+      selected: ``"detach"`` (default) or ``"zero"``: what happens to a selected term.
+      cov_band: ``"open"`` (default) or ``"closed"`` covariance window.
+      exclude_clipped: PPO-clipped tokens are no candidates (default True).
+      selection_mask: optional ``[B, L]`` bool/0-1 mask: the selected set itself (at valid
+        positions), instead of the random draw; the candidates are then not used.
       weights: optional ``[B, L]`` detached per-token multiplier.
       aggregation: default ``"token_mean"``.
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -150,9 +301,8 @@ def clip_cov_loss(
     """
     eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     r = _check_ratio("clip_ratio", clip_ratio)
-    lo_c, hi_c = float(cov_low), float(cov_high)
-    if not (math.isfinite(lo_c) and math.isfinite(hi_c)) or not lo_c < hi_c:
-        raise ValueError(f"cov_low: need finite cov_low < cov_high, got ({cov_low}, {cov_high})")
+    lo_c, hi_c = _check_band(cov_low, cov_high, cov_band)
+    _checks.check_choice("selected", selected, SELECTED)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
@@ -160,16 +310,18 @@ def clip_cov_loss(
     log_ratio = x.log_ratio()
     surrogate = _clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b)
     cov = _covariance(x)
-    with torch.no_grad():
-        z = log_ratio.detach()
-        clipped = ((x.advantages > 0) & (z > hi_b)) | ((x.advantages < 0) & (z < lo_b))
-        candidates = ~clipped & (cov > lo_c) & (cov < hi_c) & (x.maskf > 0)
-        g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
-        # a uniform key in [1, 2) at each candidate, 0 elsewhere (a candidate's key is never 0)
-        keys = torch.rand(cov.shape, generator=g, dtype=cov.dtype).add_(1.0).to(cov.device)
-        keys = keys.mul_(candidates.to(keys.dtype))
-        sel_f = _select(keys, _count(x, r), surrogate.dtype)
-    surrogate = surrogate * (1.0 - sel_f) + surrogate.detach() * sel_f
+    z = log_ratio.detach()
+    if selection_mask is not None:
+        candidates = _checks.check_mask("selection_mask", selection_mask, tuple(cov.shape)) & (x.maskf > 0)
+        sel_f = candidates.to(surrogate.dtype)
+    else:
+        candidates = _candidates(x, cov, z, lo_b, hi_b, lo_c, hi_c, cov_band, bool(exclude_clipped))
+        with torch.no_grad():
+            g = generator if generator is not None else torch.Generator().manual_seed(int(seed))
+            keys = torch.rand(cov.shape, generator=g, dtype=cov.dtype).add_(1.0).to(cov.device)  # uniform in [1, 2)
+            sel_f = _select(keys, _count(x, r), surrogate.dtype, candidates)
+    kept = surrogate * (1.0 - sel_f)
+    surrogate = kept if selected == "zero" else kept + surrogate.detach() * sel_f
     loss = aggregate_tokens(weighted(-surrogate, w), x, aggregation, constant=constant, denominator=denominator)
     metrics = ratio_metrics(z, x, lo_b=lo_b, hi_b=hi_b)
     _cov_metrics(metrics, cov, x, sel_f, candidates)
@@ -195,6 +347,10 @@ def kl_cov_loss(
     *,
     kl_ratio: float = 2e-3,
     kl_coef: float = 1.0,
+    positive_only: bool = True,
+    base: str = "unclipped",
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
     weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
@@ -222,12 +378,23 @@ def kl_cov_loss(
     Paper defaults: ``kl_ratio`` :math:`2\times10^{-3}` (7B; :math:`2\times10^{-4}` for
     32B), :math:`\beta=1`.
 
+    :math:`T` is :func:`kl_cov_top_tokens`: with ``positive_only=False`` the top-k runs over
+    every valid token (the paper's and verl's), so a batch with few positive covariances
+    still penalizes :math:`rN` tokens. ``base="ppo_clip"`` replaces :math:`-r_t\hat A_t` by
+    PPO's clipped surrogate :math:`-\min(r_t\hat A_t,\operatorname{clip}(r_t,1-\epsilon_l,
+    1+\epsilon_h)\hat A_t)` at every token (``eps_low``, ``eps_high``). Worked example (one
+    token, selected, :math:`\hat A=1`, :math:`z=0.5`, :math:`\beta=1`, ``token_mean``):
+    ``"unclipped"`` gives :math:`-e^{0.5}+0.5=-1.148721`, gradient :math:`-e^{0.5}+1=-0.648721`;
+    ``"ppo_clip"`` (:math:`\epsilon=0.2`) gives :math:`-1.2+0.5=-0.7`, gradient :math:`1`.
+
     Args:
       logp, old_logp: ``[B, L]`` current (attached) and old (detached) log-probs.
       advantages: ``[B, L]`` or ``[B]`` (detached).
       mask: ``[B, L]`` action mask.
       kl_ratio: fraction :math:`\in(0,1]` of valid tokens penalized.
       kl_coef: :math:`\beta\ge0`.
+      positive_only: only positive-covariance tokens can be penalized (default True).
+      base: ``"unclipped"`` (default) or ``"ppo_clip"``; eps_low, eps_high: its clip range.
       weights: optional ``[B, L]`` detached per-token multiplier.
       aggregation: default ``"token_mean"``.
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -242,26 +409,32 @@ def kl_cov_loss(
     _checks.check_positive("kl_coef", beta, allow_zero=True)
     if not math.isfinite(beta):
         raise ValueError(f"kl_coef: must be finite, got {kl_coef}")
+    _checks.check_choice("base", base, BASES)
+    eps_low, eps_high, lo_b, hi_b = _clip_bounds(eps_low, eps_high)
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     w = token_weights(weights, x)
     log_ratio = x.log_ratio()
     cov = _covariance(x)
+    sel_f = _top(x, cov, r, bool(positive_only), log_ratio.dtype)
     with torch.no_grad():
-        sel_f = _select(cov, _count(x, r), log_ratio.dtype)  # cov = 0 at masked slots: never selected
         zmax = math.log(torch.finfo(log_ratio.dtype).max) - 1.0
     # the ratio formed as 1 + expm1(z): the one transcendental pass also gives the metrics' expm1 (KL k3,
     # ratio mean); the clamp keeps e^z finite (the metrics then read the clamped value)
     em1 = torch.expm1(torch.clamp(log_ratio, max=zmax))
     ratio = em1 + 1.0
     penalty = beta * log_ratio.abs() * sel_f
-    term = -(ratio * x.advantages) + penalty
+    if base == "ppo_clip":
+        term = -_clipped_surrogate(log_ratio, x.advantages, eps_low, eps_high, lo_b, hi_b) + penalty
+    else:
+        term = -(ratio * x.advantages) + penalty
     loss = aggregate_tokens(weighted(term, w), x, aggregation, constant=constant, denominator=denominator)
     z = log_ratio.detach()
-    metrics = ratio_metrics(z, x, em1=em1.detach())
+    metrics = ratio_metrics(z, x, em1=em1.detach(), **({"lo_b": lo_b, "hi_b": hi_b} if base == "ppo_clip" else {}))
     _cov_metrics(metrics, cov, x, sel_f)
     with torch.no_grad():
         metrics["kl_cov/penalty"] = penalty.detach().sum().to(metrics["tokens"].dtype) / metrics["tokens"].clamp_min(1)
     return LossResult(loss, metrics)
 
 
-__all__ = ["clip_cov_loss", "kl_cov_loss"]
+__all__ = ["clip_cov_loss", "kl_cov_loss", "token_covariance", "clip_cov_candidates", "kl_cov_top_tokens", "BANDS",
+           "SELECTED", "BASES"]

@@ -23,6 +23,9 @@ Both losses use the policy-gradient form with a detached, optionally truncated r
 
 so an unmasked token gets exactly the importance-weighted gradient of the surrogate
 :math:`rA` (:math:`\nabla r=r\nabla\ell`), and a masked token (:math:`M_t=0`) none.
+
+The token sets are public: :func:`dppo_binary_divergence` (the TV or binary KL per token)
+and :func:`dppo_trust_mask` (:math:`M_t`); the losses call the same code.
 """
 from __future__ import annotations
 
@@ -62,13 +65,12 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.expm1(x).neg_().log_()
 
 
-def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_cap, weights, aggregation,
-          constant, denominator) -> LossResult:
-    dl = _check_delta("delta_low", delta_low)
-    dh = _check_delta("delta_high", delta_high)
-    cap = _check_cap(ratio_cap)
-    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
-    w = token_weights(weights, x)
+KINDS = ("tv", "kl")
+
+
+def _trust(x, kind: str, dl: float, dh: float):
+    """``(masked_pos, masked_neg, divergence)`` of checked inputs: the tokens DPPO masks (by side) and
+    the binary divergence, 0 at masked slots (:func:`dppo_trust_mask`, :func:`dppo_binary_divergence`)."""
     with torch.no_grad():
         lp = x.logp.detach()
         z = x.log_ratio().detach()  # 0 at masked slots
@@ -88,6 +90,19 @@ def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_c
             masked_pos = pos & (z > 0) & (kl > dh)  # the update raised p, moving away from q
             masked_neg = neg & (z < 0) & (kl > dl)
             divergence = kl
+    return masked_pos, masked_neg, divergence
+
+
+def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_cap, weights, aggregation,
+          constant, denominator) -> LossResult:
+    dl = _check_delta("delta_low", delta_low)
+    dh = _check_delta("delta_high", delta_high)
+    cap = _check_cap(ratio_cap)
+    x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
+    w = token_weights(weights, x)
+    masked_pos, masked_neg, divergence = _trust(x, kind, dl, dh)
+    with torch.no_grad():
+        z = x.log_ratio().detach()  # 0 at masked slots
         # Masked only when the step moves further out of the region in the advantage's direction.
         drop = masked_pos | masked_neg
         # The weight is never formed as inf (a masked token's 0 * inf would be NaN): without a
@@ -202,4 +217,48 @@ def dppo_kl_loss(
                  constant, denominator)
 
 
-__all__ = ["dppo_tv_loss", "dppo_kl_loss"]
+def dppo_binary_divergence(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
+                           kind: str = "tv") -> torch.Tensor:
+    r"""DPPO's per-token divergence of the binary event "the sampled token / any other", ``[B, L]``, detached.
+
+    ``kind="tv"``: :math:`|p_t-q_t|`; ``kind="kl"``: :math:`q\log\frac qp+(1-q)\log\frac{1-q}{1-p}`
+    (probabilities capped at :math:`e^{-10^{-7}}` as in :func:`dppo_kl_loss`), with
+    :math:`p=e^{\ell^\theta}`, :math:`q=e^{\ell^{old}}` of the sampled token; 0 at masked
+    positions. Worked example: :math:`q=0.5`, :math:`p=0.25`: TV :math:`0.25`; binary KL
+    :math:`0.5\log2+0.5\log\frac{0.5}{0.75}=0.143841`.
+
+    Args:
+      logp, old_logp: ``[B, L]`` current and old log-probs of the sampled tokens.
+      mask: ``[B, L]`` action mask. kind: ``"tv"`` or ``"kl"``.
+    """
+    _checks.check_choice("kind", kind, KINDS)
+    lp = _checks.as_tensor("logp", logp)
+    no_adv = torch.zeros(lp.shape[:1], dtype=lp.dtype if lp.is_floating_point() else torch.float32)
+    x = prepare(lp, mask, no_adv, aggregation="token_mean", behaviour=old_logp, behaviour_name="old_logp")
+    return _trust(x, kind, math.inf, math.inf)[2]
+
+
+def dppo_trust_mask(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                    kind: str = "tv", delta_low: float = 0.1, delta_high: float = 0.1) -> torch.Tensor:
+    r"""DPPO's trust mask :math:`M_t` (``[B, L]`` bool): True where the token keeps its gradient.
+
+    False at masked positions and where the update leaves the trust region in the
+    advantage's direction (:func:`dppo_tv_loss`, :func:`dppo_kl_loss` for :math:`M_t`; the
+    KL loss's default δ is 0.05, pass it). Worked example (``"tv"``, :math:`\delta=0.1`):
+    :math:`q=0.5`; :math:`p=0.65`, :math:`\hat A>0`: dropped; the same with :math:`\hat A<0`:
+    kept (a step down would be tested against :math:`-\delta_l`); :math:`p=0.35`,
+    :math:`\hat A<0`: dropped.
+
+    Args:
+      logp, old_logp: ``[B, L]`` current and old log-probs. advantages: ``[B, L]`` or ``[B]``.
+      mask: ``[B, L]`` action mask. kind: ``"tv"`` or ``"kl"``. delta_low, delta_high: the region.
+    """
+    _checks.check_choice("kind", kind, KINDS)
+    dl = _check_delta("delta_low", delta_low)
+    dh = _check_delta("delta_high", delta_high)
+    x = prepare(logp, mask, advantages, aggregation="token_mean", behaviour=old_logp, behaviour_name="old_logp")
+    masked_pos, masked_neg, _ = _trust(x, kind, dl, dh)
+    return x.mask & ~(masked_pos | masked_neg)
+
+
+__all__ = ["dppo_tv_loss", "dppo_kl_loss", "dppo_binary_divergence", "dppo_trust_mask", "KINDS"]

@@ -13,6 +13,7 @@ from ..types import LossResult
 from ._common import aggregate_sequences, aggregate_tokens, prepare, sequence_advantages, token_weights
 
 _FAR = 1e4
+CLIP_LEVELS = ("token", "sequence")
 
 
 def _check_log_clip(name: str, value: float) -> float:
@@ -30,6 +31,7 @@ def gmpo_loss(
     *,
     clip_low: float = 0.4,
     clip_high: float = 0.4,
+    clip_level: str = "token",
     weights: Optional[torch.Tensor] = None,
     aggregation: str = "seq_mean_token_mean",
     constant: Optional[float] = None,
@@ -66,12 +68,32 @@ def gmpo_loss(
     than the arithmetic mean of GRPO. A ratio exactly on a bound is active (§8). The
     paper's default range is :math:`(e^{-0.4}, e^{0.4})`.
 
+    **Sequence-level clipping** (``clip_level="sequence"``, the paper's §3 alternative): the
+    *mean* log-ratio is clipped instead, by the same sign rule,
+
+    .. math::
+        J_i=\hat A_i\exp(\tilde z_i),\qquad \tilde z_i=\operatorname{sign}(\hat A_i)
+        \min\big(\operatorname{sign}(\hat A_i)\bar z_i,\ \operatorname{sign}(\hat A_i)
+        \operatorname{clamp}(\bar z_i,-c_l,c_h)\big),\quad \bar z_i=\frac1{L_i}\sum_tz_{i,t},
+
+    so a clipped response gets no gradient at all (GSPO-like) and an unclipped one the same
+    gradient as at token level with nothing clipped.
+
+    Worked example (one response, :math:`\hat A=1`, :math:`z=(0.7, 0.3)`,
+    :math:`c_l=c_h=0.4`, default aggregation): token level clips token 0 alone,
+    :math:`\tilde z=(0.4, 0.3)`, :math:`J=e^{0.35}=1.419068`, loss :math:`-1.419068`,
+    :math:`\partial L/\partial\ell^\theta=(0, -e^{0.35}/2)=(0, -0.709534)`; sequence level
+    clips :math:`\bar z=0.5` to 0.4, :math:`J=e^{0.4}=1.491825`, loss :math:`-1.491825`,
+    gradient :math:`(0, 0)`.
+
     Args:
       logp: ``[B, L]`` current log-probs (attached).
       old_logp: ``[B, L]`` old log-probs (detached).
       advantages: ``[B]`` or ``[B, L]`` constant per response (detached).
       mask: ``[B, L]`` action mask.
       clip_low, clip_high: :math:`c_l, c_h>0`, bounds on :math:`\log r` (paper: 0.4).
+      clip_level: ``"token"`` (default: each :math:`z_{i,t}` is clipped) or ``"sequence"``
+        (the mean :math:`\bar z_i` is clipped).
       weights: optional ``[B, L]`` detached per-token multiplier (e.g. a rollout
         correction). With weights the response term is spread over its tokens,
         :math:`-w_{i,t}J_i` at each valid token, and aggregated per token.
@@ -79,7 +101,8 @@ def gmpo_loss(
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
 
     Returns:
-      ``LossResult``; metrics: ``clip_frac`` (valid tokens whose log ratio was clipped),
+      ``LossResult``; metrics: ``clip_frac`` (valid tokens whose log ratio was clipped; at
+      sequence level, the valid tokens of responses whose mean was clipped),
       ``clip_frac/pos_high`` / ``clip_frac/neg_low`` (by side), the
       :func:`trajgrad.diagnostics.policy_metrics` statistics of the per-response clipped
       geometric-mean ratio :math:`s_i` (``ratio/*``, ``log_ratio/*``, ``kl/*``),
@@ -87,6 +110,8 @@ def gmpo_loss(
     """
     cl = _check_log_clip("clip_low", clip_low)
     ch = _check_log_clip("clip_high", clip_high)
+    if clip_level not in CLIP_LEVELS:
+        raise ValueError(f"clip_level: must be one of {CLIP_LEVELS}, got {clip_level!r}")
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp")
     w = token_weights(weights, x)
     seq_adv = sequence_advantages(x, loss="GMPO")  # [B], 0 on empty rows
@@ -95,19 +120,23 @@ def gmpo_loss(
         upper = negf * _FAR + ch  # A >= 0: c_h (A = 0 only keeps exp finite)
         lower = (negf - 1.0) * _FAR - cl  # A < 0: -c_l
     z = x.log_ratio()
-    z_tilde = torch.clamp(z, min=lower, max=upper)  # 0 at masked slots (z = 0 lies inside)
-    log_s = z_tilde.sum(-1) / x.lengths.clamp_min(1)  # [B]
+    if clip_level == "token":
+        z_tilde = torch.clamp(z, min=lower, max=upper)  # 0 at masked slots (z = 0 lies inside)
+        log_s = z_tilde.sum(-1) / x.lengths.clamp_min(1)  # [B]
+    else:
+        z_bar = z.sum(-1) / x.lengths.clamp_min(1)  # [B], 0 on empty rows
+        log_s = torch.clamp(z_bar, min=lower[:, 0], max=upper[:, 0])
     j = seq_adv * torch.exp(log_s)  # 0 on empty rows (A = 0)
     if w is None:
         loss = aggregate_sequences(-j, x, aggregation, constant=constant, denominator=denominator)
     else:
         loss = aggregate_tokens(-j[:, None] * w, x, aggregation, constant=constant, denominator=denominator)
     with torch.no_grad():
-        zd = z.detach()
+        zd = z.detach() if clip_level == "token" else z_bar.detach()[:, None].expand_as(z) * x.mask
         pos = seq_adv[:, None] > 0
         neg = seq_adv[:, None] < 0
-        high = pos & (zd > ch)
-        low = neg & (zd < -cl)
+        high = pos & (zd > ch) & x.mask
+        low = neg & (zd < -cl) & x.mask
         dt = x.tokens.dtype
         n = x.tokens.clamp_min(1)
         nonempty = (x.lengths > 0)[:, None]
@@ -121,4 +150,4 @@ def gmpo_loss(
     return LossResult(loss, metrics)
 
 
-__all__ = ["gmpo_loss"]
+__all__ = ["gmpo_loss", "CLIP_LEVELS"]

@@ -1,4 +1,4 @@
-r"""Multi-teacher on-policy distillation (§15): exact reverse KL to each teacher, weighted per position."""
+r"""Multi-teacher on-policy distillation (§15): exact reverse (or forward) KL to each teacher, weighted per position."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -10,7 +10,10 @@ from ..fused import Head, head_entropy, weighted_divergence
 from ..types import LossResult
 from ._distill_inputs import Number, _check_mask, _common_checks, _make_head, _mean, _side, _token_weights
 
-__all__ = ["multi_teacher_distill_loss"]
+__all__ = ["multi_teacher_distill_loss", "normalized_teacher_weights", "DIRECTIONS", "ZERO_SUM"]
+
+DIRECTIONS = ("reverse", "forward")
+ZERO_SUM = ("error", "zero")
 
 
 def _teacher_head(i: int, spec, mask: torch.Tensor) -> Head:
@@ -55,8 +58,10 @@ def _routing_weights(routing, weights, M, mask, rows, dtype) -> torch.Tensor:
     return torch.nn.functional.one_hot(ids, M).to(dtype)
 
 
-def _positional_weights(w: torch.Tensor, M: int, mask, rows, renormalize: bool, dtype, name: str) -> torch.Tensor:
-    """``[M, B, L]`` weights -> ``[n, M]`` at the valid rows (attached), validated and renormalized."""
+def _positional_weights(w: torch.Tensor, M: int, mask, rows, renormalize: bool, dtype, name: str,
+                        zero_sum: str = "error") -> torch.Tensor:
+    """``[M, B, L]`` weights -> ``[n, M]`` at the valid rows (attached), validated and renormalized
+    (:func:`normalized_teacher_weights`)."""
     _checks.check_floating(name, w)
     _checks.check_shape(name, w, (M,) + tuple(mask.shape), against="(number of teachers,) + mask")
     w = w.reshape(M, -1).index_select(1, rows).T.to(dtype)          # masked slots are never read
@@ -66,14 +71,56 @@ def _positional_weights(w: torch.Tensor, M: int, mask, rows, renormalize: bool, 
             raise ValueError(f"{name}: contains NaN or inf at a valid (mask=1) position")
         if bool((wd < 0).any()):
             raise ValueError(f"{name}: must be non-negative at valid positions")
-        if renormalize and not bool((wd.sum(1) > 0).all()):
+        if renormalize and zero_sum == "error" and not bool((wd.sum(1) > 0).all()):
             raise ValueError(f"{name}: the weights of the teachers sum to 0 at a valid position; they cannot be "
-                             f"renormalized (pass renormalize=False or positive weights)")
-    return w / w.sum(1, keepdim=True) if renormalize else w
+                             f"renormalized (pass renormalize=False, zero_sum='zero' or positive weights)")
+    return _renormalize(w, zero_sum) if renormalize else w
+
+
+def _renormalize(w: torch.Tensor, zero_sum: str) -> torch.Tensor:
+    """``[n, M]`` -> divided by each row's sum; a zero-sum row stays 0 (``zero_sum="zero"``)."""
+    total = w.sum(1, keepdim=True)
+    if zero_sum == "error":
+        return w / total
+    positive = total > 0
+    return torch.where(positive, w / torch.where(positive, total, torch.ones_like(total)), torch.zeros_like(w))
+
+
+def normalized_teacher_weights(weights: torch.Tensor, mask: torch.Tensor, *, renormalize: bool = True,
+                               zero_sum: str = "error") -> torch.Tensor:
+    r"""The per-position teacher weights :func:`multi_teacher_distill_loss` uses, ``[M, B, L]``.
+
+    .. math:: \tilde w_i(h)=\frac{w_i(h)}{\sum_jw_j(h)}\quad(\texttt{renormalize}),\qquad
+        \tilde w_i(h)=0\ \text{where}\ \textstyle\sum_jw_j(h)=0\ (\texttt{zero\_sum="zero"}),
+
+    at valid positions (0 at masked ones; NaN allowed there). Weights must be finite and
+    non-negative at valid positions; a zero sum is a ``ValueError`` naming ``weights``
+    unless ``zero_sum="zero"`` (that position then contributes 0 to the loss and stays in
+    its denominator). Attached when ``weights`` is (the gradient flows through the
+    division). Worked example, two teachers at two positions, :math:`w=((1, 0), (3, 0))`
+    (teacher-major, ``[M, B=1, L=2]``): :math:`\tilde w=((0.25, 0), (0.75, 0))` with
+    ``zero_sum="zero"``, an error by default.
+
+    Args:
+      weights: ``[M, B, L]`` non-negative weights. mask: ``[B, L]`` action mask.
+      renormalize: divide by the per-position sum (default) or return them as given.
+      zero_sum: ``"error"`` (default) or ``"zero"``.
+    """
+    _checks.check_choice("zero_sum", zero_sum, ZERO_SUM)
+    mask = _check_mask(mask)
+    w = _checks.as_tensor("weights", weights)
+    if w.ndim != 3:
+        raise ValueError(f"weights: expected [M, B, L] per-position weights, got shape {tuple(w.shape)}")
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
+    got = _positional_weights(w, w.shape[0], mask, rows, bool(renormalize), dtype, "weights", zero_sum)  # [n, M]
+    out = torch.zeros((w.shape[0], mask.numel()), dtype=dtype, device=mask.device)
+    out = out.index_copy(1, rows, got.T)
+    return out.reshape((w.shape[0],) + tuple(mask.shape))
 
 
 def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy_temperature, temperature,
-                     chunk_size, dtype, renormalize, router_input, student_hidden) -> torch.Tensor:
+                     chunk_size, dtype, renormalize, router_input, student_hidden, zero_sum="error") -> torch.Tensor:
     """Per-position teacher weights ``[n, M]``; attached only for learned ``[M, B, L]`` weights."""
     M = len(teachers)
     n = rows.numel()
@@ -107,10 +154,10 @@ def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy
         out = weights(router_input)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"weights: the router returned {type(out).__name__}, expected a [M, B, L] tensor")
-        return _positional_weights(out, M, mask, rows, renormalize, dtype, "weights (router output)")
+        return _positional_weights(out, M, mask, rows, renormalize, dtype, "weights (router output)", zero_sum)
     w = _checks.as_tensor("weights", weights)
     if w.ndim == 3:
-        return _positional_weights(w, M, mask, rows, renormalize, dtype, "weights")
+        return _positional_weights(w, M, mask, rows, renormalize, dtype, "weights", zero_sum)
     w = w.detach()
     _checks.check_floating("weights", w)
     if w.shape != (M,):
@@ -118,9 +165,9 @@ def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy
                          f"{mask.shape[1]}) (per position), got {tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("weights: must be finite and non-negative")
-    if renormalize and not bool(w.sum() > 0):
+    if renormalize and zero_sum == "error" and not bool(w.sum() > 0):
         raise ValueError("weights: must have a positive sum")
-    w = (w / w.sum() if renormalize else w).to(device=device, dtype=dtype)
+    w = (_renormalize(w[None], zero_sum)[0] if renormalize else w).to(device=device, dtype=dtype)
     return w[None, :].expand(n, M)
 
 
@@ -144,8 +191,10 @@ def multi_teacher_distill_loss(
     denominator: Optional[Number] = None,
     chunk_size: Union[int, str] = "auto",
     disagreement: bool = True,
+    direction: str = "reverse",
+    zero_sum: str = "error",
 ) -> LossResult:
-    r"""Multi-teacher on-policy distillation, exact reverse KL to each teacher (§15).
+    r"""Multi-teacher on-policy distillation, exact reverse (or forward) KL to each teacher (§15).
 
     .. math::
 
@@ -156,6 +205,17 @@ def multi_teacher_distill_loss(
     student logits is the weighted sum of each teacher's reverse-KL gradient,
     :math:`\partial D_n/\partial z_{n,v} = \sum_i w_i(h_n)\,\pi_\theta(v)[\log\pi_\theta(v)-\log\pi_{E_i}(v)-\mathrm{KL}_i]/T`
     (every teacher that weighs a position contributes to its gradient).
+
+    ``direction="forward"`` puts the forward KL in place of the reverse one,
+    :math:`D_n=\sum_iw_i(h_n)\,\mathrm{KL}(\pi_{E_i}\Vert\pi_\theta)` (gradient
+    :math:`\sum_iw_i(\pi_\theta-\pi_{E_i})/T`; the metric is then ``forward_kl``).
+    ``zero_sum="zero"``: a valid position whose weights sum to 0 gets weights 0 under
+    ``renormalize`` (its contribution is 0, it stays in the denominator) instead of the
+    error (:func:`normalized_teacher_weights`). Worked example, one position, one teacher,
+    student logits :math:`(0, 0)`, teacher :math:`(\log 3, 0)`: reverse KL
+    :math:`0.5\log\frac{0.5}{0.75}+0.5\log\frac{0.5}{0.25}=0.143841`, gradient
+    :math:`(-0.274653, 0.274653)`; forward KL :math:`0.75\log1.5+0.25\log0.5=0.130812`,
+    gradient :math:`(-0.25, 0.25)`.
 
     §15 asks how the weights are chosen; each answer is an argument:
 
@@ -219,6 +279,8 @@ def multi_teacher_distill_loss(
         :func:`reverse_kl_distill_loss` (default ``token_mean``).
       disagreement: compute the teacher-disagreement metric (one extra no-grad pass per
         teacher pair).
+      direction: ``"reverse"`` (default) or ``"forward"`` KL per teacher.
+      zero_sum: ``"error"`` (default) or ``"zero"`` for zero-sum weights under ``renormalize``.
 
     Returns:
       ``LossResult(loss, metrics)``; metrics (detached): ``reverse_kl`` (mean weighted KL
@@ -236,6 +298,8 @@ def multi_teacher_distill_loss(
     """
     mask = _check_mask(mask)
     _common_checks(temperature, chunk_size, aggregation)
+    _checks.check_choice("direction", direction, DIRECTIONS)
+    _checks.check_choice("zero_sum", zero_sum, ZERO_SUM)
     student = _side("student", student_logits, student_hidden, student_weight, student_bias, mask, detach=False)
     if isinstance(teachers, torch.Tensor) or not isinstance(teachers, Sequence) or isinstance(teachers, str):
         raise ValueError("teachers: expected a sequence of teachers (logits or (hidden, weight) tuples)")
@@ -259,7 +323,7 @@ def multi_teacher_distill_loss(
     rows = mask.reshape(-1).nonzero().squeeze(1)
     n = rows.numel()
     w_attached = _teacher_weights(weights, routing, heads, mask, rows, entropy_temperature, temperature, chunk_size,
-                                  dtype, bool(renormalize), router_input, student_hidden)
+                                  dtype, bool(renormalize), router_input, student_hidden, zero_sum)
     learned = w_attached.requires_grad and torch.is_grad_enabled()
     w = w_attached.detach()
     om = omega.reshape(-1).index_select(0, rows)
@@ -270,7 +334,7 @@ def multi_teacher_distill_loss(
         sel = everywhere if learned else (w[:, i] > 0).nonzero().squeeze(1)
         selections.append(sel)
         jobs.append((head, rows.index_select(0, sel), om.index_select(0, sel) * w.index_select(0, sel)[:, i]))
-    loss, divs, ents_s, _ = weighted_divergence(student, jobs, kind="reverse_kl", temperature=temperature,
+    loss, divs, ents_s, _ = weighted_divergence(student, jobs, kind=f"{direction}_kl", temperature=temperature,
                                                 chunk_size=chunk_size)
     if learned:   # + sum_i sum_n omega_n (w - sg[w]) sg[KL_i]: value unchanged (exactly 0), d/dw = omega KL
         for i, div in enumerate(divs):
@@ -285,7 +349,7 @@ def multi_teacher_distill_loss(
         ent_s.index_copy_(0, sel, es.to(dtype))
         metrics[f"kl/teacher{i}"] = _mean(div.to(dtype))
         metrics[f"weight/teacher{i}"] = _mean(w[:, i])
-    metrics["reverse_kl"] = _mean(per_pos)
+    metrics[f"{direction}_kl"] = _mean(per_pos)
     metrics["student_entropy"] = _mean(ent_s)
     plogp = torch.where(w > 0, w * torch.log(torch.where(w > 0, w, torch.ones_like(w))), torch.zeros_like(w))
     metrics["weight_entropy"] = _mean(-plogp.sum(1)) if n else torch.zeros((), dtype=dtype)
