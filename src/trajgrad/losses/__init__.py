@@ -56,6 +56,7 @@ from .gmpo import gmpo_loss
 from .gspo import gspo_loss, gspo_token_loss
 from .kl import exact_kl, kl_estimate
 from .lagrange import LagrangeMultiplier
+from ._clip import resolve_eps_high
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
@@ -92,4 +93,5 @@ __all__ = [
     "sampled_token_kl",
     "multi_teacher_distill_loss",
     "TeacherRouter",
+    "resolve_eps_high",
 ]

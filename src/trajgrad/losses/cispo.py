@@ -11,8 +11,11 @@ from typing import Optional
 
 import torch
 
+from .. import _checks
 from ..diagnostics import _log_bound, _rereads, _valid_extrema_floats
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
+from ._clip import EPS_HIGH, EPS_LOW
 from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
 
@@ -55,6 +58,31 @@ def _advantage_factor(x) -> torch.Tensor:
     return x.advantages
 
 
+def _check_weight_eps_low(v) -> None:
+    finite_positive("weight_eps_low", v)
+    _checks.check_in_range("weight_eps_low", v, 0.0, 1.0, inclusive=(False, True))
+
+
+WEIGHT_EPS_LOW = Param("weight_eps_low", 1.0, "CISPO's lower clip of the IS weight, bound ``1 − weight_eps_low`` "
+                       "(``1.0``: no lower bound, the paper's); the upper one is ``1 + eps_high``.", float,
+                       _check_weight_eps_low)
+
+
+def _cispo_text(o) -> str:
+    lo = "0" if o.weight_eps_low >= 1 else f"{1 - o.weight_eps_low:g}"
+    return ("r_it = exp(log π_θ(y_it) − log π_old(y_it))\n"
+            f"x_it = − sg[clip(r_it, {lo}, {1 + o.eps_high_:g})] · A_it · log π_θ(y_it)   (clipped IS weight, MiniMax-M1)\n"
+            "    every token keeps a gradient, weighted by the clipped ratio (PPO would zero the clipped ones)")
+
+
+@policy_term(
+    "cispo", zero_without_advantage=True, fields=("eps_high", "weight_eps_low"), ratio="old",
+    detached=("old log-probs", "the clipped IS weight"), aggregation="token_mean", text=_cispo_text,
+    params=(EPS_LOW, EPS_HIGH, WEIGHT_EPS_LOW),
+    call=lambda o, x: cispo_loss(x.logp, x.ratio_logp, x.advantages, x.mask,
+                                 eps_low=None if o.weight_eps_low >= 1 else o.weight_eps_low, eps_high=o.eps_high_,
+                                 **x.agg),
+)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
