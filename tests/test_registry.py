@@ -85,7 +85,7 @@ def _perturbed(field: str, value):
         return 1.0 + (value - 1.0) / 10  # within reach of the random batches' ratios
     if value is None:
         return {"eps_high": 0.5, "dual_clip": 1.5, "constant": 3.0, "value_clip": 0.05, "dppo_ratio_cap": 1.2,
-                "entropy_target": 0.5}[field]
+                "entropy_target": 0.5}.get(field, 0.2)  # an optional bound switched on
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
