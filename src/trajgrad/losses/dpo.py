@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
-from ..aggregate import _check_denominator
+from .._aggregation import check_denominator
 from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 
@@ -239,7 +239,7 @@ def dpo_loss(
     if denominator is None:
         d = torch.as_tensor(float(shape[0]), dtype=per_pair.dtype, device=per_pair.device)
     else:
-        d = _check_denominator(denominator, per_pair.dtype, per_pair.device)
+        d = check_denominator(denominator, per_pair.dtype, per_pair.device)
     loss = per_pair.sum() / d
     with torch.no_grad():
         metrics = {
