@@ -184,18 +184,32 @@ class AdvantageEstimator:
 POLICY_TERMS: Dict[str, PolicyTerm] = {}
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {}
 PARAMS: Dict[str, Param] = {}  # every declared field, in declaration order
+_SEALED = []  # non-empty once Objective's fields are composed from PARAMS
 
 
 def declare(*params: Param) -> Tuple[Param, ...]:
-    """Record field declarations (once each; the same declaration again is a no-op)."""
+    """Record field declarations (once each; the same declaration again is a no-op).
+
+    ``Objective`` is composed from the declarations when :mod:`trajgrad.objective` is first
+    imported; a new field declared after that raises ``ValueError`` (declare it in a module
+    imported before :mod:`trajgrad.objective`, or read the fields ``Objective`` already has)."""
     for p in params:
         if not isinstance(p, Param):
             raise ValueError(f"params: expected Param declarations, got {type(p).__name__}")
         if p.name in PARAMS and PARAMS[p.name] is not p:
             raise ValueError(f"params: field {p.name!r} is declared twice (declare it once, where the entries "
                              "that read it can share it)")
+        if p.name not in PARAMS and _SEALED:
+            raise ValueError(f"params: field {p.name!r} is new, but Objective's fields were composed when "
+                             "trajgrad.objective was imported; declare it in a module imported before that")
         PARAMS[p.name] = p
     return params
+
+
+def seal_params() -> Tuple[Param, ...]:
+    """Every declared field, after which no new one can be declared (``Objective`` is composed from them)."""
+    _SEALED.append(True)
+    return tuple(PARAMS.values())
 
 
 def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTerm:
@@ -261,6 +275,7 @@ __all__ = [
     "Param",
     "PARAMS",
     "declare",
+    "seal_params",
     "finite_positive",
     "flag",
     "RATIO_SOURCES",

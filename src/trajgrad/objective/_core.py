@@ -34,7 +34,6 @@ from ..entropy_control import next_entropy_coef
 from ..losses import kl_estimate, resolve_eps_high, value_loss
 from ..registry import (
     ADVANTAGE_ESTIMATORS,
-    PARAMS,
     POLICY_TERMS,
     AdvantageEstimator,
     Param,
@@ -44,6 +43,7 @@ from ..registry import (
     finite_positive,
     flag,
     register_advantage_estimator,
+    seal_params,
 )
 from ..types import LossResult
 from ._validate import validate
@@ -162,7 +162,8 @@ _ORDER = ("name", "loss", "advantage", "aggregation", "constant", "eps_low", "ep
 
 
 def _fields() -> Tuple[Param, ...]:
-    return tuple(PARAMS[n] for n in _ORDER) + tuple(p for n, p in PARAMS.items() if n not in _ORDER)
+    params = {p.name: p for p in seal_params()}
+    return tuple(params[n] for n in _ORDER) + tuple(p for n, p in params.items() if n not in _ORDER)
 
 
 def _attributes_doc(params: Tuple[Param, ...]) -> str:
@@ -184,7 +185,7 @@ class _ObjectiveMethods:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rollout_correction", RolloutCorrection.coerce(self.rollout_correction))
-        for p in _fields():
+        for p in _PARAMS:
             if p.check is not None:
                 p.check(getattr(self, p.name))
         validate(self)
@@ -500,7 +501,7 @@ _DOC = """One recipe: every field that changes the estimator, and nothing else.
 
 
 def _compose():
-    params = _fields()
+    params = _PARAMS
     cls = dataclasses.make_dataclass(
         "Objective", [(p.name, p.annotation) if p.default is _REQUIRED else
                       (p.name, p.annotation, dataclasses.field(default=p.default)) for p in params],
@@ -509,6 +510,7 @@ def _compose():
     return cls
 
 
+_PARAMS = _fields()  # Objective's fields, in order
 Objective = _compose()
 
 __all__ = ["Objective", "RECIPE_PARAMS", "KL_PLACEMENTS", "KL_KINDS", "SCHEDULE_FIELDS"]
