@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..diagnostics import _log_bound
+from .._policy_stats import _log_bound
 from ..registry import Param, finite_positive
 
 _EPS_DOC = ("clip range of the ratio (PPO/GRPO/DAPO/GSPO) or the trust interval (SAO); ``eps_high`` ``None`` "

@@ -40,6 +40,8 @@ import torch
 
 from .. import _checks
 from .._aggregation import MODES, check_denominator, normalizer, numerator, validate_mode
+from .._policy_stats import _fast_policy_metrics
+
 
 class Inputs:
     """Validated inputs of a policy loss (see the module docstring).
@@ -401,10 +403,8 @@ def ratio_metrics(
     pass: ``ratio`` (its exponential), ``sum_z`` (its sum), ``em1`` (``expm1(z)``, not modified) or
     ``sum_em1`` (the sum of that), ``extrema`` (its min and max). Clip fractions are added when
     ``lo_b``/``hi_b`` are given; ``means`` adds keys given as valid-token sums, reported as means
-    (see :func:`trajgrad.diagnostics._fast_policy_metrics`).
+    (see :func:`trajgrad._policy_stats._fast_policy_metrics`).
     """
-    from ..diagnostics import _fast_policy_metrics
-
     return _fast_policy_metrics(
         z, x.advantages if lo_b is not None else None, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b,
         prefix=prefix, sum_z=sum_z, em1=em1, sum_em1=sum_em1, extrema=extrema, means=means,

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..diagnostics import _log_bound, _rereads, _valid_extrema_floats
+from .._policy_stats import _log_bound, _rereads, _valid_extrema_floats
 from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 from ._clip import EPS_HIGH, EPS_LOW

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..diagnostics import _valid_extrema
+from .._policy_stats import _valid_extrema
 from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
 from ..types import LossResult
 from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_weights, weighted

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _fast_policy_metrics
+from .._policy_stats import _fast_policy_metrics
 from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
 from ..types import LossResult
 from ._common import aggregate_sequences, aggregate_tokens, prepare, sequence_advantages, token_weights

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _fast_policy_metrics, list_policy_metrics, loss_quantiles_enabled
+from .._policy_stats import _fast_policy_metrics, list_policy_metrics, loss_quantiles_enabled
 from ..registry import policy_term
 from ..types import LossResult
 from ._common import (

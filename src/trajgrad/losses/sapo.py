@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..diagnostics import _fast_policy_metrics
+from .._policy_stats import _fast_policy_metrics
 from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 from ._common import (
