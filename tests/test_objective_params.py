@@ -83,3 +83,18 @@ except ValueError as e:
 
 def test_recipes_are_unchanged_objects():
     assert all(isinstance(o, Objective) for o in RECIPES.values())
+
+
+def test_eps_high_defaults_to_eps_low_in_one_place():
+    from trajgrad.diagnostics import policy_metrics
+    from trajgrad.losses import resolve_eps_high
+
+    assert resolve_eps_high(0.2, None) == 0.2 and resolve_eps_high(0.2, 0.28) == 0.28
+    assert RECIPES["grpo"].eps_high_ == 0.2 and RECIPES["dapo"].eps_high_ == 0.28
+    import torch
+
+    z = torch.tensor([[0.19, -0.21, 0.0]]).log1p()  # ratios 1.19, 0.79, 1
+    adv, mask = torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3)
+    sym = policy_metrics(z, adv, mask, eps_low=0.2)
+    assert sym["clip_frac"].item() == pytest.approx(1 / 3)  # 0.79 < 0.8 with A < 0; 1.19 < 1.2
+    assert policy_metrics(z, adv, mask, eps_low=0.2, eps_high=0.1)["clip_frac"].item() == pytest.approx(2 / 3)

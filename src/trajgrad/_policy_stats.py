@@ -41,6 +41,12 @@ def _quantiles(values: torch.Tensor) -> torch.Tensor:
     return ordered[lo] + frac * (ordered[hi] - ordered[lo])
 
 
+def resolve_eps_high(eps_low: float, eps_high: Optional[float]) -> float:
+    """The upper clip: ``eps_high``, or ``eps_low`` when it is ``None`` (symmetric clipping); the one place
+    this default is resolved (public as :func:`trajgrad.losses.resolve_eps_high`)."""
+    return eps_low if eps_high is None else eps_high
+
+
 def _log_bound(name: str, eps: float, side: str) -> float:
     """``log(1 - eps)`` (side 'low', -inf at eps = 1) or ``log(1 + eps)`` (side 'high')."""
     if side == "low":

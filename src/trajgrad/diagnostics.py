@@ -35,6 +35,7 @@ from ._policy_stats import (  # noqa: F401  (QUANTILES, QUANTILE_POSITIONS, loss
     list_policy_metrics,
     loss_quantiles,
     loss_quantiles_enabled,
+    resolve_eps_high,
 )
 
 def policy_metrics(
@@ -96,7 +97,7 @@ def policy_metrics(
     lo_b = hi_b = None
     if eps_low is not None:
         lo_b = _log_bound("eps_low", eps_low, "low")
-        hi_b = _log_bound("eps_high", eps_low if eps_high is None else eps_high, "high")
+        hi_b = _log_bound("eps_high", resolve_eps_high(eps_low, eps_high), "high")
     with torch.no_grad():
         z = _checks.per_token("log_ratio", log_ratio.detach(), log_ratio.shape, mask)
         adv = _checks.per_token(

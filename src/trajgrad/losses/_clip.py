@@ -1,8 +1,9 @@
 r"""The clip range shared by the ratio-clipping terms (PPO, GSPO, SAO, Clip-Cov, CISPO): its two
 fields, as ``Objective`` declares them, and the clipped surrogate (spec §8).
 
-``eps_high``'s "``None`` means ``eps_low``" is resolved here, once: :func:`resolve_eps_high`
-(``Objective.eps_high_`` and :func:`_clip_bounds` call it).
+``eps_high``'s "``None`` means ``eps_low``" is resolved in one place,
+:func:`trajgrad.losses.resolve_eps_high` (``Objective.eps_high_``, :func:`_clip_bounds` and
+:func:`trajgrad.diagnostics.policy_metrics` call it).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._policy_stats import _log_bound
+from .._policy_stats import _log_bound, resolve_eps_high
 from ..registry import Param, finite_positive
 
 _EPS_DOC = ("clip range of the ratio (PPO/GRPO/DAPO/GSPO) or the trust interval (SAO); ``eps_high`` ``None`` "
@@ -25,11 +26,6 @@ def _check_eps_high(v) -> None:
 
 EPS_LOW = Param("eps_low", 0.2, _EPS_DOC, float, lambda v: finite_positive("eps_low", v))
 EPS_HIGH = Param("eps_high", None, _EPS_DOC, Optional[float], _check_eps_high)
-
-
-def resolve_eps_high(eps_low: float, eps_high: Optional[float]) -> float:
-    """The upper clip: ``eps_high``, or ``eps_low`` when it is ``None`` (symmetric clipping)."""
-    return eps_low if eps_high is None else eps_high
 
 
 def check_eps_low_below_one(o) -> None:
