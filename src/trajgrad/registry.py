@@ -9,20 +9,27 @@ in the library compares a loss or advantage name.
 
 An entry lives in the module of its function (``trajgrad.losses.cispo`` declares CISPO beside
 ``cispo_loss``): the :class:`Param` declarations of the fields it owns (name, default, check,
-one-line doc), its checks, its ``explain`` text and its registration, written with the
-:func:`policy_term` / :func:`advantage_estimator` decorators on the function (the style of verl's
-``@register_policy_loss``; the function keeps its config-free signature). ``Objective``'s fields
-are composed from the declared ``Param``\ s. Adding an estimator = its module + its tests. A user
-registers their own the same way (with the fields ``Objective`` already has)::
+one-line doc), its checks, its ``explain`` text and its registration: a policy term with the
+:func:`policy_term` decorator on its function (the style of verl's ``@register_policy_loss``; the
+function keeps its config-free signature), an advantage estimator with
+:func:`register_advantage_estimator` after its function. ``Objective``'s fields are composed from
+the declared ``Param``\ s when :mod:`trajgrad.objective` is first imported. Adding an estimator =
+its module + its tests. A user registers their own the same way; a field of their own must be
+declared before :mod:`trajgrad.objective` is imported (later, only the fields ``Objective``
+already has can be read)::
 
-    from trajgrad.registry import PolicyTerm, register_policy_term
+    from trajgrad.registry import Param, finite_positive, policy_term
 
-    register_policy_term(PolicyTerm(
-        name="my_pg", fn=my_pg_loss, fields=(), ratio="none", detached=(),
-        aggregation="token_mean", text=lambda o: "x_t = − A_t · log π_θ(y_t)",
-        call=lambda o, x: my_pg_loss(x.logp, x.advantages, x.mask, **x.agg),
-    ))
-    Objective(name="mine", loss="my_pg", advantage="group_std", aggregation="token_mean", group_size=4)
+    SCALE = Param("my_scale", 1.0, "my term's scale.", float, lambda v: finite_positive("my_scale", v))
+
+    @policy_term("my_pg", fields=("my_scale",), params=(SCALE,), ratio="none", detached=(),
+                 aggregation="token_mean", text=lambda o: f"x_t = − {o.my_scale:g} · A_t · log π_θ(y_t)",
+                 call=lambda o, x: my_pg_loss(x.logp, x.advantages, x.mask, scale=o.my_scale, **x.agg))
+    def my_pg_loss(logp, advantages, mask, *, scale, aggregation="token_mean", constant=None, denominator=None):
+        ...
+
+    from trajgrad.objective import Objective
+    Objective(name="mine", loss="my_pg", advantage="group_std", aggregation="token_mean", group_size=4, my_scale=0.5)
 
 This module is pure bookkeeping: it imports no estimator and nothing from the layers above
 (field checks use :mod:`trajgrad._checks`).
