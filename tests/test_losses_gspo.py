@@ -323,7 +323,7 @@ def test_metrics_from_the_loss_lists_equal_the_tensor_path(dtype, empty_row):
     # gspo_loss reports the metrics from the per-sequence numbers its loss loop read; the same keys and values
     # as diagnostics' path over the [B, 1] log s (which it takes when quantiles are asked for)
     from trajgrad import diagnostics
-    from trajgrad.diagnostics import _fast_policy_metrics
+    from trajgrad._policy_stats import _fast_policy_metrics
 
     g = torch.Generator().manual_seed(11)
     B, L = 12, 9

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from trajgrad import diagnostics
-from trajgrad.diagnostics import _fast_policy_metrics
+from trajgrad import _policy_stats as diagnostics
+from trajgrad._policy_stats import _fast_policy_metrics
 
 
 def _both(z, adv, maskf, lo_b=None, hi_b=None):

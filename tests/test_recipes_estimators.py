@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from trajgrad import losses, terms
+from trajgrad import losses
 from trajgrad.logprobs.correction import OFF, RolloutCorrection, rollout_correction
+from trajgrad.losses import cov
 from trajgrad.objective import RECIPES, explain, explain_diff, get_recipe
 from trajgrad.registry import PolicyInputs
 from trajgrad.verify import verify
@@ -54,7 +55,7 @@ def test_verify_passes_the_covariance_losses_per_batch(name):
     def impl(logp, old_logp, advantages, mask):
         if name == "kl_cov":
             return losses.kl_cov_loss(logp, old_logp, advantages, mask, kl_ratio=o.cov_ratio, kl_coef=o.cov_kl_coef)
-        seed = terms._batch_seed(PolicyInputs(logp, advantages, mask, None, None, None, None, {}))
+        seed = cov._batch_seed(PolicyInputs(logp, advantages, mask, None, None, None, None, {}))
         return losses.clip_cov_loss(logp, old_logp, advantages, mask, clip_ratio=o.cov_ratio, cov_low=o.cov_low,
                                     seed=seed)
 

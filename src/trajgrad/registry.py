@@ -7,26 +7,42 @@ detaches, its paper's default aggregation and its ``explain`` text. ``Objective.
 ``explain``, ``explain_diff``, ``verify`` and both trainers read these entries; nothing else
 in the library compares a loss or advantage name.
 
-Adding an estimator = its core function + one ``register_policy_term`` (or
-``register_advantage_estimator``) call + its tests. A user registers their own the same way::
+An entry lives in the module of its function (``trajgrad.losses.cispo`` declares CISPO beside
+``cispo_loss``): the :class:`Param` declarations of the fields it owns (name, default, check,
+one-line doc), its checks, its ``explain`` text and its registration: a policy term with the
+:func:`policy_term` decorator on its function (the style of verl's ``@register_policy_loss``; the
+function keeps its config-free signature), an advantage estimator with
+:func:`register_advantage_estimator` after its function. ``Objective``'s fields are composed from
+the declared ``Param``\ s when :mod:`trajgrad.objective` is first imported. Adding an estimator =
+its module + its tests. A user registers their own the same way; a field of their own must be
+declared before :mod:`trajgrad.objective` is imported (later, only the fields ``Objective``
+already has can be read)::
 
-    from trajgrad.registry import PolicyTerm, register_policy_term
+    from trajgrad.registry import Param, finite_positive, policy_term
 
-    register_policy_term(PolicyTerm(
-        name="my_pg", fn=my_pg_loss, fields=(), ratio="none", detached=(),
-        aggregation="token_mean", text=lambda o: "x_t = − A_t · log π_θ(y_t)",
-        call=lambda o, x: my_pg_loss(x.logp, x.advantages, x.mask, **x.agg),
-    ))
-    Objective(name="mine", loss="my_pg", advantage="group_std", aggregation="token_mean", group_size=4)
+    SCALE = Param("my_scale", 1.0, "my term's scale.", float, lambda v: finite_positive("my_scale", v))
 
-This module is pure bookkeeping: it imports no estimator and nothing from the layers above.
+    @policy_term("my_pg", fields=("my_scale",), params=(SCALE,), ratio="none", detached=(),
+                 aggregation="token_mean", text=lambda o: f"x_t = − {o.my_scale:g} · A_t · log π_θ(y_t)",
+                 call=lambda o, x: my_pg_loss(x.logp, x.advantages, x.mask, scale=o.my_scale, **x.agg))
+    def my_pg_loss(logp, advantages, mask, *, scale, aggregation="token_mean", constant=None, denominator=None):
+        ...
+
+    from trajgrad.objective import Objective
+    Objective(name="mine", loss="my_pg", advantage="group_std", aggregation="token_mean", group_size=4, my_scale=0.5)
+
+This module is pure bookkeeping: it imports no estimator and nothing from the layers above
+(field checks use :mod:`trajgrad._checks`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
+
+from . import _checks
 
 RATIO_SOURCES = ("none", "old", "behaviour")
 TERM_KINDS = ("token", "pairwise", "distill")
@@ -50,6 +66,43 @@ class PolicyInputs(NamedTuple):
     behaviour_logp: Optional[torch.Tensor]
     ref_logp: Optional[torch.Tensor]
     agg: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One field of ``Objective``, declared by the module that reads it.
+
+    Attributes:
+      name: the field name (``Objective.<name>``, ``recipe.overrides.<name>`` in a config).
+      default: its value when a recipe does not set it (the setting that turns its feature off).
+      doc: its description (``Objective``'s docstring and the configuration reference); fields
+        that share one description are documented together.
+      annotation: its type (``typing.get_type_hints(Objective)`` and the config loader read it).
+      check: ``check(value)`` raising ``ValueError`` naming the field when the value is outside
+        its domain; run by ``Objective`` on every construction. Checks that relate several
+        fields belong to the entry's ``validate``.
+    """
+
+    name: str
+    default: Any
+    doc: str
+    annotation: Any = float
+    check: Optional[Callable[[Any], None]] = None
+
+
+def finite_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number > 0 (>= 0 with ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    _checks.check_positive(name, value, allow_zero=allow_zero)
+
+
+def flag(name: str, value: Any) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
 
 
 TextFn = Callable[[Any], str]
@@ -77,6 +130,8 @@ class PolicyTerm:
       verify_noise: std of the current-vs-old log-prob gap in ``verify``'s random batches
         (small for terms whose trust region is tiny, so that both sides of it are exercised).
       validate: optional ``validate(objective)`` raising ``ValueError`` naming the field.
+      params: the :class:`Param` declarations of the fields this term owns (a field read by
+        several entries is declared once, by the module they share, and listed by each).
       zero_without_advantage: the term's value and gradient are exactly zero at every token
         of a row whose advantages are all zero, and a row's term reads only that row's
         tensors (and the shared denominator). The trainer then runs such rows forward only,
@@ -97,6 +152,7 @@ class PolicyTerm:
     verify_noise: float = 0.3
     validate: Optional[Callable[[Any], None]] = None
     zero_without_advantage: bool = False
+    params: Tuple[Param, ...] = ()
 
     def detached_for(self, objective) -> Tuple[str, ...]:
         return tuple(self.detached(objective)) if callable(self.detached) else tuple(self.detached)
@@ -118,6 +174,7 @@ class AdvantageEstimator:
       min_group: the smallest ``group_size`` it accepts (2 for group baselines).
       needs_critic: it needs a value function (``Objective.critic`` must be true).
       validate: optional ``validate(objective)``.
+      params: the :class:`Param` declarations of the fields it owns.
     """
 
     name: str
@@ -128,10 +185,38 @@ class AdvantageEstimator:
     min_group: int = 1
     needs_critic: bool = False
     validate: Optional[Callable[[Any], None]] = None
+    params: Tuple[Param, ...] = ()
 
 
 POLICY_TERMS: Dict[str, PolicyTerm] = {}
 ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {}
+PARAMS: Dict[str, Param] = {}  # every declared field, in declaration order
+_SEALED = []  # non-empty once Objective's fields are composed from PARAMS
+
+
+def declare(*params: Param) -> Tuple[Param, ...]:
+    """Record field declarations (once each; the same declaration again is a no-op).
+
+    ``Objective`` is composed from the declarations when :mod:`trajgrad.objective` is first
+    imported; a new field declared after that raises ``ValueError`` (declare it in a module
+    imported before :mod:`trajgrad.objective`, or read the fields ``Objective`` already has)."""
+    for p in params:
+        if not isinstance(p, Param):
+            raise ValueError(f"params: expected Param declarations, got {type(p).__name__}")
+        if p.name in PARAMS and PARAMS[p.name] is not p:
+            raise ValueError(f"params: field {p.name!r} is declared twice (declare it once, where the entries "
+                             "that read it can share it)")
+        if p.name not in PARAMS and _SEALED:
+            raise ValueError(f"params: field {p.name!r} is new, but Objective's fields were composed when "
+                             "trajgrad.objective was imported; declare it in a module imported before that")
+        PARAMS[p.name] = p
+    return params
+
+
+def seal_params() -> Tuple[Param, ...]:
+    """Every declared field, after which no new one can be declared (``Objective`` is composed from them)."""
+    _SEALED.append(True)
+    return tuple(PARAMS.values())
 
 
 def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTerm:
@@ -150,8 +235,24 @@ def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTe
         raise ValueError(f"term.zero_without_advantage: only a token term takes advantages, {term.name!r} is {term.kind}")
     if term.name in POLICY_TERMS and not replace:
         raise ValueError(f"term.name: {term.name!r} is already registered (pass replace=True)")
+    declare(*term.params)
     POLICY_TERMS[term.name] = term
     return term
+
+
+def policy_term(name: str, **entry: Any) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated core function as policy term ``name`` (``entry`` holds
+    the other :class:`PolicyTerm` attributes); the function is returned unchanged.
+
+    ::
+
+        @policy_term("cispo", fields=("eps_high",), ratio="old", ..., call=lambda o, x: cispo_loss(...))
+        def cispo_loss(logp, old_logp, advantages, mask, *, eps_high=0.28, ...): ...
+    """
+    def wrap(fn: Callable) -> Callable:
+        register_policy_term(PolicyTerm(name=name, fn=fn, **entry))
+        return fn
+    return wrap
 
 
 def register_advantage_estimator(est: AdvantageEstimator, *, replace: bool = False) -> AdvantageEstimator:
@@ -164,6 +265,7 @@ def register_advantage_estimator(est: AdvantageEstimator, *, replace: bool = Fal
         raise ValueError(f"estimator.call: {est.name!r} needs a call")
     if est.name in ADVANTAGE_ESTIMATORS and not replace:
         raise ValueError(f"estimator.name: {est.name!r} is already registered (pass replace=True)")
+    declare(*est.params)
     ADVANTAGE_ESTIMATORS[est.name] = est
     return est
 
@@ -176,6 +278,13 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "register_policy_term",
     "register_advantage_estimator",
+    "policy_term",
+    "Param",
+    "PARAMS",
+    "declare",
+    "seal_params",
+    "finite_positive",
+    "flag",
     "RATIO_SOURCES",
     "TERM_KINDS",
     "ADVANTAGE_LEVELS",

@@ -25,7 +25,8 @@ import torch
 
 from .. import _checks
 from ._groups import _eps, _per_item, _rewards, _stats
-from .baselines import GroupAdvantages
+from ..registry import AdvantageEstimator, register_advantage_estimator
+from .baselines import STD_EPS, STD_UNBIASED, GroupAdvantages, std_text
 from .returns import reward_to_go
 
 __all__ = ["passk_advantages", "gpg_advantages", "opo_advantages", "remax_advantages", "optimal_token_baseline",
@@ -320,3 +321,25 @@ def optimal_token_baseline(
             b = torch.where(count <= 1, zero, b)
         adv = torch.where(m, G - b[row, slot], zero)
     return TokenAdvantages(adv, G)
+
+
+# ---------------------------------------------------------------------- the recipes' registry entries
+def _passk(o, rewards, group_ids=None):
+    return passk_advantages(rewards, group_ids=group_ids, unbiased=o.std_unbiased, eps=o.std_eps)
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="passk", level="sequence", call=_passk, fields=("std_eps", "std_unbiased"), min_group=2,
+    params=(STD_EPS, STD_UNBIASED),
+    text=lambda o: (f"A_i = (R_(1) − R_(2)) / (std_G(R) + {o.std_eps:g}) for the best response of each group, 0 for "
+                    f"the others,  G = {o.group_size}, {std_text(o)}\n"
+                    "    R_(1), R_(2): the two largest rewards of the group; the margin over the best *other* response\n"
+                    "    credits only the group's best answer (max@G / pass@G; verl's grpo_passk)"),
+))
+register_advantage_estimator(AdvantageEstimator(
+    name="gpg", level="sequence", fields=(), min_group=2,
+    call=lambda o, rewards, group_ids=None: gpg_advantages(rewards, group_ids=group_ids),
+    text=lambda o: (f"A_i = α (R_i − mean_G(R)),  α = B / B_valid,  G = {o.group_size}\n"
+                    "    B responses in the batch, B_valid of them in groups whose rewards are not all equal: the\n"
+                    "    gradient is rescaled to the mean over the responses that carry a signal (GPG; no std scaling)"),
+))

@@ -21,7 +21,9 @@ import torch
 
 from .. import _checks
 from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
-from .baselines import WHITEN_EMPTY, WHITEN_EPS, GroupAdvantages, group_advantages, whiten
+from ..registry import AdvantageEstimator, register_advantage_estimator
+from .baselines import (STD_EPS, STD_UNBIASED, WHITEN_EMPTY, WHITEN_EPS, GroupAdvantages, group_advantages, std_text,
+                        whiten)
 from .returns import reward_to_go
 
 __all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages",
@@ -262,3 +264,58 @@ def gdpo_advantages(
         total = _weighted_whiten(total, torch.ones_like(total), shift_mean=True, unbiased=bool(unbiased), eps=eps,
                                  name="rewards", std_plus_eps=True) if total.numel() > 1 else torch.zeros_like(total)
     return GroupAdvantages(total, mean, std, flat)
+
+
+# ---------------------------------------------------------------------- the recipes' registry entries
+def _reinforce_pp(group_baseline: bool):
+    def call(o, rewards, group_ids=None):
+        return reinforce_pp_advantages(rewards, group_baseline=group_baseline, group_ids=group_ids,
+                                       unbiased=o.std_unbiased, eps=o.std_eps)
+    return call
+
+
+def _reinforce_pp_text(group_baseline: bool):
+    def text(o) -> str:
+        centred = "R_i − mean_G(R)" if group_baseline else "R_i"
+        var = "Bessel (1/(n−1))" if o.std_unbiased else "population (1/n)"
+        g = f",  G = {o.group_size}" if group_baseline else ""
+        return (f"Ã_i = {centred}{g};  A_i = (Ã_i − mean_batch(Ã)) / sqrt(var_batch(Ã) + {o.std_eps:g}),  "
+                f"{var} variance\n"
+                "    one normalization over the whole batch of responses, not per prompt (REINFORCE++; a per-token\n"
+                "    KL goes into the reward before it, kl_placement = 'reward')")
+    return text
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="reinforce_pp", level="sequence", call=_reinforce_pp(False), fields=("std_eps", "std_unbiased"),
+    text=_reinforce_pp_text(False), params=(STD_EPS, STD_UNBIASED),
+))
+register_advantage_estimator(AdvantageEstimator(
+    name="reinforce_pp_baseline", level="sequence", call=_reinforce_pp(True), fields=("std_eps", "std_unbiased"),
+    min_group=2, text=_reinforce_pp_text(True), params=(STD_EPS, STD_UNBIASED),
+))
+register_advantage_estimator(AdvantageEstimator(
+    name="maxrl", level="sequence", fields=(), min_group=2,
+    call=lambda o, rewards, group_ids=None: maxrl_advantages(rewards, group_ids=group_ids),
+    text=lambda o: (f"A_i = (R_i − mean_G(R)) / mean_G(R),  G = {o.group_size};  A_i = 0 when mean_G(R) = 0 "
+                    "(no success)\n"
+                    "    rewards ≥ 0 (success indicator); = the score averaged over successful rollouts minus a control\n"
+                    "    variate: prompts weigh ~1/p (maximum likelihood of success, MaxRL)"),
+))
+
+
+def _gdpo(o, rewards, group_ids=None):
+    r = torch.as_tensor(rewards)
+    if r.ndim == (1 if group_ids is not None else 2):  # one reward component
+        r = r[..., None]
+    return gdpo_advantages(r, group_ids=group_ids, eps=o.std_eps, unbiased=o.std_unbiased)
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="gdpo", level="sequence", call=_gdpo, fields=("std_eps", "std_unbiased"), min_group=2,
+    params=(STD_EPS, STD_UNBIASED),
+    text=lambda o: (f"A^k_i = (R^k_i − mean_G(R^k)) / (std_G(R^k) + {o.std_eps:g}) for each reward component k,  "
+                    f"G = {o.group_size}, {std_text(o)}\n"
+                    f"S_i = Σ_k A^k_i;  A_i = (S_i − mean_batch(S)) / (std_batch(S) + {o.std_eps:g})   (GDPO: components\n"
+                    "    normalized apart, so different reward combinations keep different advantages)"),
+))

@@ -31,6 +31,8 @@ import torch
 from .. import _checks
 from . import _steps
 from ._scan import suffix_affine_scan_
+from .baselines import whiten
+from ..registry import AdvantageEstimator, Param, finite_positive, flag, register_advantage_estimator
 
 Number = Union[float, int, torch.Tensor]
 
@@ -464,3 +466,45 @@ def skip_observation_gae(
         if pad is not None:
             pad.zero_(adv)
     return adv[0] if squeeze else adv
+
+
+# ---------------------------------------------------------------------- the recipes' fields and registry entry
+def _unit(name: str):
+    def check(v) -> None:
+        finite_positive(name, v, allow_zero=True)
+        _checks.check_in_range(name, v, 0.0, 1.0)
+    return check
+
+
+_GAMMA_DOC = "discount and GAE λ (critic recipes)."
+GAMMA = Param("gamma", 1.0, _GAMMA_DOC, float, _unit("gamma"))
+LAM = Param("lam", 1.0, _GAMMA_DOC, float, _unit("lam"))
+WHITEN_ADVANTAGES = Param(
+    "whiten_advantages", False, "GAE advantages are whitened over every valid token of the batch, (A − μ) / "
+    "sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``; ``trajgrad.baselines.whiten``); "
+    "the value targets stay unwhitened.", bool, lambda v: flag("whiten_advantages", v))
+
+
+def _gae(o, values, rewards, mask, terminated=None, bootstrap_value=None):
+    out = token_skip_observation_gae(values, rewards, mask, gamma=o.gamma, lam=o.lam, terminated=terminated,
+                                     bootstrap_value=bootstrap_value)
+    if o.whiten_advantages:  # verl: whiten the advantages over the batch's valid tokens; targets unchanged
+        out = out._replace(advantages=whiten(out.advantages, mask))
+    return out
+
+
+def _gae_text(o) -> str:
+    s = (f"A_t = Σ_l (γλ)^l δ_{{t+l}},  δ_t = r_t + γ V(next action token) − V(t),  γ = {o.gamma:g}, "
+         f"λ = {o.lam:g}\n"
+         "    skip-observation: tool-observation and prompt tokens are bridged, not decayed through (§20.4);\n"
+         "    true termination zeroes the bootstrap, truncation bootstraps from V (§6)")
+    if o.whiten_advantages:
+        s += ("\n    whitened over the batch: A_t ← (A_t − μ) / sqrt(σ² + 1e-8), μ, σ² (Bessel) over every valid token\n"
+              "    of the whole batch (verl); the value targets are computed before and stay unwhitened")
+    return s
+
+
+register_advantage_estimator(AdvantageEstimator(
+    name="gae", level="token", call=_gae, fields=("gamma", "lam", "whiten_advantages"), needs_critic=True,
+    text=_gae_text, params=(GAMMA, LAM, WHITEN_ADVANTAGES),
+))

@@ -58,6 +58,7 @@ from .kl import exact_kl, kl_estimate
 from ..control import LagrangeMultiplier, TeacherRouter
 from .lagrangian import lagrangian_loss
 from .multi_teacher import normalized_teacher_weights
+from ._clip import resolve_eps_high
 from .ppo import ppo_clip_loss
 from .reinforce import reinforce_loss
 from .sao import sao_dis_loss
@@ -100,4 +101,5 @@ __all__ = [
     "lagrangian_loss",
     "dppo_binary_divergence",
     "dppo_trust_mask",
+    "resolve_eps_high",
 ]

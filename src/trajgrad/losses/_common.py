@@ -39,7 +39,9 @@ from typing import Dict, Optional
 import torch
 
 from .. import _checks
-from ..aggregate import MODES, _check_denominator, _validate_mode
+from .._aggregation import MODES, check_denominator, normalizer, numerator, validate_mode
+from .._policy_stats import _fast_policy_metrics
+
 
 class Inputs:
     """Validated inputs of a policy loss (see the module docstring).
@@ -303,11 +305,11 @@ def prepare(
 def _denominator(denominator, dtype, device) -> Optional[torch.Tensor]:
     if denominator is None:
         return None
-    return _check_denominator(denominator, dtype, device)
+    return check_denominator(denominator, dtype, device)
 
 
 def check_aggregation(mode: str, constant: Optional[float]) -> None:
-    _validate_mode(mode, constant)
+    validate_mode(mode, constant)
     if constant is not None and not math.isfinite(float(constant)):
         raise ValueError(f"constant: must be finite, got {constant}")
 
@@ -317,14 +319,9 @@ def aggregate_tokens(
 ) -> torch.Tensor:
     """:func:`trajgrad.aggregate.aggregate` for a ``[B, L]`` term that is already 0 at masked slots."""
     check_aggregation(mode, constant)
-    if mode == "seq_mean_token_mean":
-        numerator = (term.sum(-1) / x.lengths.clamp_min(1)).sum()
-    elif mode == "seq_sum_constant":
-        c = float(constant) if constant is not None else float(term.shape[-1])
-        numerator = term.sum() / c
-    else:
-        numerator = term.sum()
-    return numerator / _count(x, mode, denominator, term)
+    num = numerator(mode, row_means=lambda: (term.sum(-1) / x.lengths.clamp_min(1)).sum(), total=term.sum,
+                    width=term.shape[-1], constant=constant)
+    return num / _count(x, mode, denominator, term)
 
 
 def aggregate_sequences(
@@ -336,25 +333,13 @@ def aggregate_sequences(
     :func:`aggregate_tokens` on ``per_seq[:, None] * mask``, without forming it.
     """
     check_aggregation(mode, constant)
-    if mode == "seq_mean_token_mean":
-        numerator = per_seq.sum()
-    elif mode == "seq_sum_constant":
-        c = float(constant) if constant is not None else float(x.mask.shape[-1])
-        numerator = (per_seq * x.lengths).sum() / c
-    else:
-        numerator = (per_seq * x.lengths).sum()
-    return numerator / _count(x, mode, denominator, per_seq)
+    num = numerator(mode, row_means=per_seq.sum, total=lambda: (per_seq * x.lengths).sum(), width=x.mask.shape[-1],
+                    constant=constant)
+    return num / _count(x, mode, denominator, per_seq)
 
 
 def _count(x: Inputs, mode: str, denominator, like: torch.Tensor) -> torch.Tensor:
-    d = _denominator(denominator, like.dtype, like.device)
-    if d is not None:
-        return d
-    if mode == "token_mean":
-        return x.tokens.to(like.dtype).clamp_min(1.0)
-    if mode == "token_sum":
-        return torch.ones((), dtype=like.dtype, device=like.device)
-    return (x.lengths > 0).sum().to(like.dtype).clamp_min(1.0)
+    return normalizer(mode, denominator, like, tokens=lambda: x.tokens, rows=lambda: (x.lengths > 0).sum())
 
 
 def linear_in_logp(coef: torch.Tensor, x: Inputs, mode: str, *, weights=None, constant=None,
@@ -418,10 +403,8 @@ def ratio_metrics(
     pass: ``ratio`` (its exponential), ``sum_z`` (its sum), ``em1`` (``expm1(z)``, not modified) or
     ``sum_em1`` (the sum of that), ``extrema`` (its min and max). Clip fractions are added when
     ``lo_b``/``hi_b`` are given; ``means`` adds keys given as valid-token sums, reported as means
-    (see :func:`trajgrad.diagnostics._fast_policy_metrics`).
+    (see :func:`trajgrad._policy_stats._fast_policy_metrics`).
     """
-    from ..diagnostics import _fast_policy_metrics
-
     return _fast_policy_metrics(
         z, x.advantages if lo_b is not None else None, None, x.maskf, x.tokens, ratio=ratio, lo_b=lo_b, hi_b=hi_b,
         prefix=prefix, sum_z=sum_z, em1=em1, sum_em1=sum_em1, extrema=extrema, means=means,

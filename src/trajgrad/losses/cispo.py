@@ -11,8 +11,11 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _log_bound, _rereads, _valid_extrema_floats
+from .. import _checks
+from .._policy_stats import _log_bound, _rereads, _valid_extrema_floats
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
+from ._clip import EPS_HIGH, EPS_LOW
 from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
 
 
@@ -55,6 +58,69 @@ def _advantage_factor(x) -> torch.Tensor:
     return x.advantages
 
 
+def _check_weight_eps_low(v) -> None:
+    finite_positive("weight_eps_low", v)
+    _checks.check_in_range("weight_eps_low", v, 0.0, 1.0, inclusive=(False, True))
+
+
+WEIGHT_EPS_LOW = Param("weight_eps_low", 1.0, "CISPO's lower clip of the IS weight, bound ``1 − weight_eps_low`` "
+                       "(``1.0``: no lower bound, the paper's); the upper one is ``1 + eps_high``.", float,
+                       _check_weight_eps_low)
+
+
+def _unified_mask(z: torch.Tensor, adv: torch.Tensor, lo_b: Optional[float], hi_b: Optional[float]):
+    """``(high, low)`` bool ``[B, L]``: the tokens the unified mask drops on each side (``None`` when off).
+
+    ``z`` is 0 at masked slots and both bounds are nonzero there, so no masked slot is dropped."""
+    if lo_b is None and hi_b is None:
+        return None
+    none = torch.zeros_like(z, dtype=torch.bool)
+    high = (adv > 0) & (z > hi_b) if hi_b is not None else none
+    low = (adv < 0) & (z < lo_b) if lo_b is not None else none
+    return high.expand_as(z), low.expand_as(z)
+
+
+def _check_mask_eps(name: str, side: str):
+    def check(v) -> None:
+        if v is not None:
+            finite_positive(name, v)
+            if side == "low":
+                _checks.check_in_range(name, v, 0.0, 1.0, inclusive=(False, True))
+    return check
+
+
+_MASK_DOC = ("CISPO's unified PPO mask (MiniMax-M1 §3.1): a token with A > 0 and r > 1 + ``mask_eps_high``, or with "
+             "A < 0 and r < 1 − ``mask_eps_low`` (strict), has a zero term and a zero gradient and stays in the "
+             "denominator; ``None`` turns that side off (default: both off, plain CISPO).")
+MASK_EPS_LOW = Param("mask_eps_low", None, _MASK_DOC, Optional[float], _check_mask_eps("mask_eps_low", "low"))
+MASK_EPS_HIGH = Param("mask_eps_high", None, _MASK_DOC, Optional[float], _check_mask_eps("mask_eps_high", "high"))
+
+
+def _mask_text(o) -> str:
+    sides = ([f"(A_it > 0 and r_it > {1 + o.mask_eps_high:g})"] if o.mask_eps_high is not None else []) + \
+            ([f"(A_it < 0 and r_it < {1 - o.mask_eps_low:g})"] if o.mask_eps_low is not None else [])
+    return (f"\n    M_it = 0 if {' or '.join(sides)}, else 1   (unified PPO mask, strict, MiniMax-M1 §3.1)\n"
+            "    x_it ← M_it · x_it: a masked token has no term and no gradient and stays in the denominator")
+
+
+def _cispo_text(o) -> str:
+    lo = "0" if o.weight_eps_low >= 1 else f"{1 - o.weight_eps_low:g}"
+    masked = o.mask_eps_low is not None or o.mask_eps_high is not None
+    return ("r_it = exp(log π_θ(y_it) − log π_old(y_it))\n"
+            f"x_it = − sg[clip(r_it, {lo}, {1 + o.eps_high_:g})] · A_it · log π_θ(y_it)   (clipped IS weight, MiniMax-M1)\n"
+            "    every token keeps a gradient, weighted by the clipped ratio (PPO would zero the clipped ones)"
+            + (_mask_text(o) if masked else ""))
+
+
+@policy_term(
+    "cispo", zero_without_advantage=True, fields=("eps_high", "weight_eps_low", "mask_eps_low", "mask_eps_high"),
+    ratio="old", detached=lambda o: ("old log-probs", "the clipped IS weight") + (
+        ("the mask",) if o.mask_eps_low is not None or o.mask_eps_high is not None else ()),
+    aggregation="token_mean", text=_cispo_text, params=(EPS_LOW, EPS_HIGH, WEIGHT_EPS_LOW, MASK_EPS_LOW, MASK_EPS_HIGH),
+    call=lambda o, x: cispo_loss(x.logp, x.ratio_logp, x.advantages, x.mask,
+                                 eps_low=None if o.weight_eps_low >= 1 else o.weight_eps_low, eps_high=o.eps_high_,
+                                 mask_eps_low=o.mask_eps_low, mask_eps_high=o.mask_eps_high, **x.agg),
+)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -63,6 +129,8 @@ def cispo_loss(
     *,
     eps_low: Optional[float] = None,
     eps_high: float = 0.28,
+    mask_eps_low: Optional[float] = None,
+    mask_eps_high: Optional[float] = None,
     weights: Optional[torch.Tensor] = None,
     aggregation: str = "token_mean",
     constant: Optional[float] = None,
@@ -97,6 +165,31 @@ def cispo_loss(
     The clip is applied in log space, :math:`\hat r=\exp(\operatorname{clamp}(z,
     \log(1-\epsilon_l),\log(1+\epsilon_h)))`, so an overflowing ratio is never formed.
 
+    **Unified PPO mask** (MiniMax-M1 §3.1, off by default): with ``mask_eps_high`` /
+    ``mask_eps_low`` (:math:`\delta_h`, :math:`\delta_l`, separate from the weight's clip) each
+    term is multiplied by
+
+    .. math::
+        M_{i,t}=\begin{cases}0 & \hat A_{i,t}>0,\ r_{i,t}>1+\delta_h\\
+        0 & \hat A_{i,t}<0,\ r_{i,t}<1-\delta_l\\ 1 & \text{otherwise,}\end{cases}
+        \qquad J=\frac{1}{\sum_i|o_i|}\sum_{i,t}\mathrm{sg}[\hat r_{i,t}]\hat A_{i,t}
+        \ell^\theta_{i,t}M_{i,t},
+
+    which drops exactly the tokens PPO's clipped objective gives no gradient (the paper's
+    general formulation: CISPO's weight with PPO's trust region). The inequalities are strict
+    (a ratio on the boundary keeps its token) and compared in log space,
+    :math:`z>\log(1+\delta_h)`, :math:`z<\log(1-\delta_l)`. A masked token keeps its
+    place in the denominator :math:`\sum_i|o_i|`. ``None`` turns a side off.
+
+    Worked example (one response, ``token_mean``, :math:`\epsilon_h=0.28`, no lower weight
+    clip, :math:`\delta_l=\delta_h=0.2`), :math:`A=(1,1,-1,-1)`, :math:`r=(1.5,1.1,0.5,0.9)`,
+    :math:`\ell^\theta=(-1,-1,-1,-1)`: :math:`\hat r=(1.28,1.1,0.5,0.9)`,
+    :math:`M=(0,1,0,1)` (1.5 > 1.2 with A > 0; 0.5 < 0.8 with A < 0), so
+    :math:`\mathcal L=-\frac14(1.1\cdot1\cdot(-1)+0.9\cdot(-1)\cdot(-1))=0.05` and
+    :math:`\partial\mathcal L/\partial\ell^\theta=(0,-0.275,0,0.225)`; without the mask
+    :math:`\mathcal L=-\frac14(-1.28-1.1+0.5+0.9)=0.245`, gradient
+    :math:`(-0.32,-0.275,0.125,0.225)`.
+
     Args:
       logp: ``[B, L]`` current log-probs (attached).
       old_logp: ``[B, L]`` log-probs of the policy the ratio is taken against (detached).
@@ -104,6 +197,8 @@ def cispo_loss(
       mask: ``[B, L]`` action mask.
       eps_low: lower clip :math:`\epsilon_l\in(0,1]`, or ``None`` for none (default).
       eps_high: upper clip :math:`\epsilon_h>0`.
+      mask_eps_low, mask_eps_high: the unified mask's :math:`\delta_l\in(0,1]`,
+        :math:`\delta_h>0`, or ``None`` (default) for that side off.
       weights: optional ``[B, L]`` detached multiplier of the per-token term (e.g. a
         rollout correction); a weight-0 token keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the paper's).
@@ -113,10 +208,13 @@ def cispo_loss(
       ``LossResult``; metrics from :func:`trajgrad.diagnostics.policy_metrics` (ratio
       statistics, KL of old vs current) plus ``weight/clipped_high`` and
       ``weight/clipped_low`` (fractions of valid tokens whose weight was clipped) and
-      ``weight/mean``.
+      ``weight/mean``; with the mask, ``mask/dropped_high`` and ``mask/dropped_low`` (fractions
+      of valid tokens dropped on each side).
     """
     lo_b = -math.inf if eps_low is None else _log_bound("eps_low", eps_low, "low")
     hi_b = _log_bound("eps_high", eps_high, "high")
+    m_lo = None if mask_eps_low is None else _log_bound("mask_eps_low", mask_eps_low, "low")
+    m_hi = None if mask_eps_high is None else _log_bound("mask_eps_high", mask_eps_high, "high")
     x = prepare(logp, mask, advantages, aggregation=aggregation, behaviour=old_logp, behaviour_name="old_logp",
                 log_ratio_sum=True)
     w = token_weights(weights, x)
@@ -130,6 +228,7 @@ def cispo_loss(
         # (an overflowing ratio is clipped to the finite upper bound)
         em1 = torch.expm1(z)
         sum_em1 = em1.sum()
+        drop = _unified_mask(z, _advantage_factor(x), m_lo, m_hi)  # before the counts below consume z
         extrema = _valid_extrema_floats(z, x.maskf, float(x.tokens))
         # counts of z > hi_b (none when the largest entry is below the bound, with a margin for its rounding)
         # and of z < lo_b; the metrics do not read z again (unless _rereads), so the last count may consume
@@ -145,9 +244,12 @@ def cispo_loss(
         r_hat = em1.clamp_(min=math.expm1(lo_b), max=math.expm1(hi_b)).add_(x.maskf)
         r_sum = r_hat.sum()
         coef = r_hat.mul_(_advantage_factor(x))  # A * r_hat, 0 at masked slots
+        means = {"weight/clipped_high": high, "weight/clipped_low": low, "weight/mean": r_sum}
+        if drop is not None:  # M = 0: no term, no gradient; the token stays in the denominator
+            coef.masked_fill_(drop[0] | drop[1], 0.0)
+            means.update({"mask/dropped_high": drop[0].sum(), "mask/dropped_low": drop[1].sum()})
     loss = linear_in_logp(coef, x, aggregation, weights=w, constant=constant, denominator=denominator)
-    metrics = ratio_metrics(z, x, sum_z=sum_z, sum_em1=sum_em1, extrema=extrema,
-                            means={"weight/clipped_high": high, "weight/clipped_low": low, "weight/mean": r_sum})
+    metrics = ratio_metrics(z, x, sum_z=sum_z, sum_em1=sum_em1, extrema=extrema, means=means)
     return LossResult(loss, metrics)
 
 

@@ -63,10 +63,13 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..diagnostics import _valid_extrema
+from .._policy_stats import _valid_extrema
+from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
 from ..types import LossResult
 from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
-from .ppo import _clip_bounds, _clipped_surrogate
+from ._clip import EPS_HIGH, EPS_LOW, _clip_bounds, _clipped_surrogate, check_eps_low_below_one
+
+CLIP_COV_HIGH = 5.0  # Clip-Cov's upper covariance bound (Cui et al. 2025): the function's default and the recipe's
 
 
 BANDS = ("open", "closed")
@@ -174,7 +177,7 @@ def clip_cov_candidates(
     eps_low: float = 0.2,
     eps_high: Optional[float] = None,
     cov_low: float = 1.0,
-    cov_high: float = 5.0,
+    cov_high: float = CLIP_COV_HIGH,
     cov_band: str = "open",
     exclude_clipped: bool = True,
 ) -> torch.Tensor:
@@ -235,7 +238,7 @@ def clip_cov_loss(
     eps_high: Optional[float] = None,
     clip_ratio: float = 2e-4,
     cov_low: float = 1.0,
-    cov_high: float = 5.0,
+    cov_high: float = CLIP_COV_HIGH,
     generator: Optional[torch.Generator] = None,
     seed: int = 0,
     selected: str = "detach",
@@ -438,3 +441,68 @@ def kl_cov_loss(
 
 __all__ = ["clip_cov_loss", "kl_cov_loss", "token_covariance", "clip_cov_candidates", "kl_cov_top_tokens", "BANDS",
            "SELECTED", "BASES"]
+
+
+# ---------------------------------------------------------------------- the recipes' fields and registry entries
+def _check_cov_ratio(v) -> None:
+    finite_positive("cov_ratio", v)
+    _checks.check_in_range("cov_ratio", v, 0.0, 1.0, inclusive=(False, True))
+
+
+def _check_cov_low(v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v < CLIP_COV_HIGH:
+        raise ValueError(f"cov_low: must be a finite number below {CLIP_COV_HIGH:g}, got {v!r}")
+
+
+_COV_DOC = ("Clip-Cov / KL-Cov: fraction of valid tokens selected, and Clip-Cov's lower covariance bound (the upper "
+            f"one is the paper's {CLIP_COV_HIGH:g}, a constant of the recipe; ``trajgrad.losses.clip_cov_loss`` takes "
+            "both). Clip-Cov's random selection is seeded by the batch content (the same batch selects the same "
+            "tokens).")
+COV_RATIO = Param("cov_ratio", 2e-4, _COV_DOC, float, _check_cov_ratio)
+COV_LOW = Param("cov_low", 1.0, _COV_DOC, float, _check_cov_low)
+COV_KL_COEF = Param("cov_kl_coef", 1.0, "KL-Cov's penalty coefficient β.", float,
+                    lambda v: finite_positive("cov_kl_coef", v, allow_zero=True))
+_COV = "Cov_it = (log π_θ(y_it) − mean log π) (A_it − mean A)   (detached, means over the batch's valid tokens)"
+
+
+def _batch_seed(x) -> int:
+    """A selection seed that is a function of the batch content (same batch, same tokens)."""
+    with torch.no_grad():
+        m = torch.as_tensor(x.mask).to(torch.float64)
+        lp = torch.where(m > 0, x.logp.detach().to(torch.float64), torch.zeros((), dtype=torch.float64))
+        adv = torch.as_tensor(x.advantages).detach().to(torch.float64)
+        valid = m > 0 if adv.ndim == 2 else (m > 0).any(-1)
+        adv = torch.where(valid, adv, torch.zeros((), dtype=torch.float64))
+        key = (float(lp.sum()), float((lp * lp).sum()), float(adv.sum()), int(m.sum()))
+    return hash(key) & 0x7FFFFFFF
+
+
+def _clip_cov_text(o) -> str:
+    return (_COV + "\n"
+            f"S = random (seeded by the batch) selection of {o.cov_ratio:g}·N tokens with {o.cov_low:g} < Cov < "
+            f"{CLIP_COV_HIGH:g}, not clipped by PPO\n"
+            f"x_it = − min(ρ A, clip(ρ, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A), with sg[·] on the tokens of S   "
+            "(their gradient is removed)")
+
+
+def _kl_cov_text(o) -> str:
+    return (_COV + "\n"
+            f"T = the {o.cov_ratio:g}·N tokens of largest positive Cov\n"
+            f"x_it = − ρ_it A_it + {o.cov_kl_coef:g} · 1[t ∈ T] · |log π_θ(y_it) − log π_old(y_it)|   (no clipping)")
+
+
+register_policy_term(PolicyTerm(
+    name="clip_cov", fn=clip_cov_loss, fields=("eps_low", "eps_high", "cov_ratio", "cov_low"), ratio="old",
+    detached=("old log-probs", "the covariance", "the selected tokens' terms"), aggregation="token_mean",
+    text=_clip_cov_text, validate=check_eps_low_below_one, params=(EPS_LOW, EPS_HIGH, COV_RATIO, COV_LOW),
+    call=lambda o, x: clip_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_ratio=o.cov_ratio,
+                                    cov_low=o.cov_low, cov_high=CLIP_COV_HIGH, seed=_batch_seed(x), eps_low=o.eps_low,
+                                    eps_high=o.eps_high_, **x.agg),
+))
+register_policy_term(PolicyTerm(
+    name="kl_cov", fn=kl_cov_loss, fields=("cov_ratio", "cov_kl_coef"), ratio="old",
+    detached=("old log-probs", "the covariance"), aggregation="token_mean", text=_kl_cov_text,
+    params=(COV_RATIO, COV_KL_COEF),
+    call=lambda o, x: kl_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, kl_ratio=o.cov_ratio,
+                                  kl_coef=o.cov_kl_coef, **x.agg),
+))

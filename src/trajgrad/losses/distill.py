@@ -59,6 +59,7 @@ import torch
 
 from .. import _checks
 from ..fused import weighted_divergence
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 from ._distill_inputs import Number, _check_mask, _common_checks, _mean, _side, _token_weights, _vocab_match
 from .multi_teacher import multi_teacher_distill_loss
@@ -102,6 +103,11 @@ def _single_teacher(kind: str, beta: float, normalized: bool, metric: str, *,
 # ----------------------------------------------------------------------------------------
 
 
+@policy_term(
+    "opd", fields=(), ratio="none", detached=("teacher distribution",), aggregation="token_mean", kind="distill",
+    text=lambda o: ("x_t = Σ_v π_θ(v|h_t) [log π_θ(v|h_t) − sg[log π_E(v|h_t)]]   (exact reverse KL over the full "
+                    "vocabulary, §14;\n    not the sampled-token approximation)"),
+)
 def reverse_kl_distill_loss(
     *,
     student_logits: Optional[torch.Tensor] = None,
@@ -212,6 +218,38 @@ def forward_kl_distill_loss(
         chunk_size=chunk_size)
 
 
+_JSD_DOC = ("the generalized JSD(β) distillation term (``generalized_jsd``; §14): the teacher's weight in the "
+            "mixture, and how the ends are read — ``\"kl_at_ends\"`` (TRL's ``generalized_jsd_loss``: JSD(β) for "
+            "0 < β < 1, forward KL at β = 0, reverse KL at 1), ``\"normalized\"`` (JSD(β)/(β(1−β)), continuous on "
+            "[0, 1]) or ``\"unnormalized\"``.")
+_JSD_NORMALIZED = {"kl_at_ends": "kl_at_ends", "normalized": True, "unnormalized": False}
+
+
+def _check_jsd_beta(v) -> None:
+    finite_positive("jsd_beta", v, allow_zero=True)
+    _checks.check_in_range("jsd_beta", v, 0.0, 1.0)
+
+
+JSD_BETA = Param("jsd_beta", 0.5, _JSD_DOC, float, _check_jsd_beta)
+JSD_NORMALIZED = Param("jsd_normalized", "kl_at_ends", _JSD_DOC, str,
+                       lambda v: _checks.check_choice("jsd_normalized", v, tuple(_JSD_NORMALIZED)))
+
+
+def _jsd_text(o) -> str:
+    b = o.jsd_beta
+    ends = {"kl_at_ends": "JSD(β) itself; at β = 0 the forward KL KL(π_E‖π_θ), at β = 1 the reverse KL (TRL's convention)",
+            "normalized": "JSD(β) / (β(1 − β)): continuous on [0, 1], forward KL at 0, reverse KL at 1",
+            "unnormalized": "JSD(β) itself (0 at β ∈ {0, 1})"}[o.jsd_normalized]
+    return (f"m = {b:g} · sg[π_E] + {1 - b:g} · π_θ   (the teacher's weight β = {b:g})\n"
+            f"x_t = {b:g} · KL(sg[π_E] ‖ m) + {1 - b:g} · KL(π_θ ‖ m)   exact over the vocabulary (§14)\n"
+            f"    {ends}")
+
+
+@policy_term(
+    "generalized_jsd", fields=("jsd_beta", "jsd_normalized"), ratio="none", detached=("teacher distribution",),
+    aggregation="token_mean", kind="distill", text=_jsd_text, params=(JSD_BETA, JSD_NORMALIZED),
+    call=lambda o, x: jsd_distill_loss(beta=o.jsd_beta, normalized=_JSD_NORMALIZED[o.jsd_normalized], **x),
+)
 def jsd_distill_loss(
     *,
     student_logits: Optional[torch.Tensor] = None,

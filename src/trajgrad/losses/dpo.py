@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
-from ..aggregate import _check_denominator
+from .._aggregation import check_denominator
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 
 
@@ -77,6 +78,35 @@ def _lengths(name: str, x, shape) -> torch.Tensor:
     return x
 
 
+DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
+BETA = Param("beta", 0.1, "DPO's β (§10).", float, lambda v: finite_positive("beta", v))
+_DPO_DOC = ("the preference loss of a pairwise recipe (``trajgrad.losses.dpo_loss``: ``sigmoid`` (DPO, default), "
+            "``robust``, ``hinge``, ``ipo``, ``simpo``), its label smoothing ε and SimPO's margin γ.")
+
+
+def _check_label_smoothing(v) -> None:
+    finite_positive("label_smoothing", v, allow_zero=True)
+    _checks.check_in_range("label_smoothing", v, 0.0, 0.5, inclusive=(True, False))
+
+
+def _check_simpo_gamma(v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"simpo_gamma: must be a finite number, got {v!r}")
+
+
+DPO_LOSS_TYPE = Param("dpo_loss_type", "sigmoid", _DPO_DOC, str,
+                      lambda v: _checks.check_choice("dpo_loss_type", v, DPO_LOSS_TYPES))
+LABEL_SMOOTHING = Param("label_smoothing", 0.0, _DPO_DOC, float, _check_label_smoothing)
+SIMPO_GAMMA = Param("simpo_gamma", 0.5, _DPO_DOC, float, _check_simpo_gamma)
+
+
+@policy_term(
+    "dpo", fields=("beta",), ratio="none", detached=("reference log-probs",), aggregation="token_mean",
+    kind="pairwise", params=(BETA, DPO_LOSS_TYPE, LABEL_SMOOTHING, SIMPO_GAMMA),
+    text=lambda o: (f"loss = − log σ(β [log π_θ(y_w) − log π_ref(y_w)] − β [log π_θ(y_l) − log π_ref(y_l)]),  "
+                    f"β = {o.beta:g}   (§10)\n"
+                    "    sequence log-probs; reference log-probs detached; a static preference dataset"),
+)
 def dpo_loss(
     chosen_logp: torch.Tensor,
     rejected_logp: torch.Tensor,
@@ -209,7 +239,7 @@ def dpo_loss(
     if denominator is None:
         d = torch.as_tensor(float(shape[0]), dtype=per_pair.dtype, device=per_pair.device)
     else:
-        d = _check_denominator(denominator, per_pair.dtype, per_pair.device)
+        d = check_denominator(denominator, per_pair.dtype, per_pair.device)
     loss = per_pair.sum() / d
     with torch.no_grad():
         metrics = {

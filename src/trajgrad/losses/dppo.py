@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 
@@ -126,6 +127,50 @@ def _dppo(logp, old_logp, advantages, mask, kind, delta_low, delta_high, ratio_c
     return LossResult(loss, metrics)
 
 
+_DELTA_DOC = "DPPO's trust region (probability units for binary TV, nats for binary KL)."
+DELTA_LOW = Param("delta_low", 0.1, _DELTA_DOC, float, lambda v: finite_positive("delta_low", v))
+DELTA_HIGH = Param("delta_high", 0.1, _DELTA_DOC, float, lambda v: finite_positive("delta_high", v))
+
+
+def _check_ratio_cap_field(v) -> None:
+    if v is not None:
+        finite_positive("dppo_ratio_cap", v)
+
+
+DPPO_RATIO_CAP = Param("dppo_ratio_cap", None, "DPPO's detached ratio weight truncated at this value (``None``: not "
+                       "truncated; verl truncates at its ``clip_ratio_c``, 3 with its defaults).", Optional[float],
+                       _check_ratio_cap_field)
+
+
+def _dppo_text(kind):
+    def text(o) -> str:
+        if kind == "tv":
+            d = "D_it = p_it − q_it  (p = π_θ(y_it), q = π_old(y_it): binary total variation, signed)"
+            m = f"M_it = 0 if (A > 0 and D > {o.delta_high:g}) or (A < 0 and D < −{o.delta_low:g}), else 1"
+        else:
+            d = "D_it = q log(q/p) + (1−q) log((1−q)/(1−p))  (binary KL of the sampled token, p = π_θ, q = π_old)"
+            m = (f"M_it = 0 if (A > 0, p > q, D > {o.delta_high:g}) or (A < 0, p < q, D > {o.delta_low:g}), else 1")
+        r = "r_it" if o.dppo_ratio_cap is None else f"min(r_it, {o.dppo_ratio_cap:g})"
+        return (d + "\n" + m + "   (trust region on the probability, one-sided like §8)\n"
+                f"x_it = − M_it · sg[{r}] · A_it · log π_θ(y_it),  r_it = π_θ/π_old   (gradient M sg[{r}] A ∇log π_θ)")
+    return text
+
+
+def _dppo_entry(kind: str):
+    """The registration of ``dppo_<kind>`` on its loss function."""
+    def wrap(fn):
+        return policy_term(
+            f"dppo_{kind}", zero_without_advantage=True, fields=("delta_low", "delta_high", "dppo_ratio_cap"),
+            ratio="old", detached=("old log-probs", "the ratio weight", "the trust-region mask"),
+            aggregation="token_mean", text=_dppo_text(kind), verify_noise=0.6,
+            params=(DELTA_LOW, DELTA_HIGH, DPPO_RATIO_CAP),
+            call=lambda o, x: fn(x.logp, x.ratio_logp, x.advantages, x.mask, delta_low=o.delta_low,
+                                 delta_high=o.delta_high, ratio_cap=o.dppo_ratio_cap, **x.agg),
+        )(fn)
+    return wrap
+
+
+@_dppo_entry("tv")
 def dppo_tv_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -176,6 +221,7 @@ def dppo_tv_loss(
                  constant, denominator)
 
 
+@_dppo_entry("kl")
 def dppo_kl_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -11,10 +11,19 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from ..registry import policy_term
 from ..types import LossResult
+from .dpo import BETA
 from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 
 
+@policy_term(
+    "dro", fields=("beta",), ratio="old", detached=("old log-probs",), aggregation="token_mean", params=(BETA,),
+    text=lambda o: ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
+                    f"x_it = − A_it · log π_θ(y_it) + ({o.beta:g}/2) · z_it²   (quadratic log-ratio penalty, DRO)\n"
+                    f"    gradient ({o.beta:g} z_it − A_it) ∇log π_θ: REINFORCE at z = 0, pulled back to π_old beyond"),
+    call=lambda o, x: dro_loss(x.logp, x.ratio_logp, x.advantages, x.mask, beta=o.beta, **x.agg),
+)
 def dro_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

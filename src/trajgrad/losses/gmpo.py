@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _fast_policy_metrics
+from .._policy_stats import _fast_policy_metrics
+from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
 from ..types import LossResult
 from ._common import aggregate_sequences, aggregate_tokens, prepare, sequence_advantages, token_weights
 
@@ -151,3 +152,26 @@ def gmpo_loss(
 
 
 __all__ = ["gmpo_loss", "CLIP_LEVELS"]
+
+
+# ---------------------------------------------------------------------- the recipe's fields and registry entry
+_LOG_CLIP_DOC = "GMPO's clip range on the token *log* ratio."
+LOG_CLIP_LOW = Param("log_clip_low", 0.4, _LOG_CLIP_DOC, float, lambda v: finite_positive("log_clip_low", v))
+LOG_CLIP_HIGH = Param("log_clip_high", 0.4, _LOG_CLIP_DOC, float, lambda v: finite_positive("log_clip_high", v))
+
+
+def _gmpo_text(o) -> str:
+    cl, ch = o.log_clip_low, o.log_clip_high
+    return ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
+            f"z̃_it = min(z_it, {ch:g}) if A_i > 0;  max(z_it, −{cl:g}) if A_i < 0   (token-level clip in log space)\n"
+            "x_it = − A_i · exp((1/L_i) Σ_t z̃_it)   at every token of response i   (geometric mean of clipped ratios)\n"
+            "    gradient (A_i s̃_i / L_i) ∇log π_θ(y_it) on unclipped tokens, 0 on clipped ones")
+
+
+register_policy_term(PolicyTerm(
+    name="gmpo", zero_without_advantage=True, fn=gmpo_loss, fields=("log_clip_low", "log_clip_high"), ratio="old",
+    detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_gmpo_text, sequence_advantages=True,
+    params=(LOG_CLIP_LOW, LOG_CLIP_HIGH),
+    call=lambda o, x: gmpo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_low=o.log_clip_low,
+                                clip_high=o.log_clip_high, **x.agg),
+))

@@ -12,15 +12,30 @@ from typing import Optional
 
 import torch
 
-from ..diagnostics import _fast_policy_metrics, list_policy_metrics, loss_quantiles_enabled
+from .._policy_stats import _fast_policy_metrics, list_policy_metrics, loss_quantiles_enabled
+from ..registry import policy_term
 from ..types import LossResult
 from ._common import (
     SequenceTerm, _count, aggregate_sequences, aggregate_tokens, check_aggregation, prepare, ratio_metrics,
     sequence_advantages, token_weights, weighted,
 )
-from .ppo import _clip_bounds, _clipped_surrogate
+from ._clip import EPS_HIGH, EPS_LOW, _clip_bounds, _clipped_surrogate, check_eps_low_below_one
 
 
+def _gspo_text(o) -> str:
+    return (f"s_i = exp((1/L_i) Σ_t [log π_θ(y_it) − sg[log π_old(y_it)]])   (geometric-mean sequence ratio, §17;\n"
+            "    NOT the full-sequence density ratio)\n"
+            f"x_it = − min(s_i A_i, clip(s_i, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A_i)   at every token of response i\n"
+            "    gradient: (s_i A_i / L_i) Σ_t ∇log π_θ(y_it) away from clipping")
+
+
+@policy_term(
+    "gspo", zero_without_advantage=True, fields=("eps_low", "eps_high"), ratio="old", detached=("old log-probs",),
+    aggregation="seq_mean_token_mean", text=_gspo_text, sequence_advantages=True, verify_noise=2e-3,
+    validate=check_eps_low_below_one, params=(EPS_LOW, EPS_HIGH),
+    call=lambda o, x: gspo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, eps_low=o.eps_low, eps_high=o.eps_high_,
+                                **x.agg),
+)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -123,7 +138,7 @@ def _sequence_loss(x, seq_adv, lo_b, hi_b, mode, constant, denominator):
     (:math:`B` numbers) in float64 by the interpreter, and one autograd node whose backward pass is the
     closed form :math:`\partial\mathcal L/\partial\ell_{i,t}=m_{i,t}\,w_i\,(-\partial J_i/\partial\log s_i)
     /(L_i D)` with :math:`\partial J_i/\partial\log s_i=\hat A_i s_i` where the clamp of
-    :func:`trajgrad.losses.ppo._clipped_surrogate` is inactive (bounds included), else 0. Equal to
+    :func:`trajgrad.losses._clip._clipped_surrogate` is inactive (bounds included), else 0. Equal to
     the tensor path (tested) up to float rounding."""
     check_aggregation(mode, constant)
     with torch.no_grad():
@@ -160,6 +175,19 @@ def _sequence_loss(x, seq_adv, lo_b, hi_b, mode, constant, denominator):
     return SequenceTerm.apply(x.raw_logp, value, coef, x.maskf), log_s, (ls, ns, advs)
 
 
+def _gspo_token_text(o) -> str:
+    return ("s_it = sg[s_i] · π_θ(y_it) / sg[π_θ(y_it)]    (value s_i, gradient s_i ∇log π_θ(y_it), §17)\n"
+            f"x_it = − min(s_it A_it, clip(s_it, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A_it)\n"
+            "    equals GSPO in value and gradient when A_it = A_i")
+
+
+@policy_term(
+    "gspo_token", zero_without_advantage=True, fields=("eps_low", "eps_high"), ratio="old",
+    detached=("old log-probs", "the sequence ratio s_i inside s_it"), aggregation="seq_mean_token_mean",
+    text=_gspo_token_text, verify_noise=2e-3, validate=check_eps_low_below_one, params=(EPS_LOW, EPS_HIGH),
+    call=lambda o, x: gspo_token_loss(x.logp, x.ratio_logp, x.advantages, x.mask, eps_low=o.eps_low,
+                                      eps_high=o.eps_high_, **x.agg),
+)
 def gspo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

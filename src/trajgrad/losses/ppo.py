@@ -12,64 +12,14 @@ surrogate is :math:`\rho A` for :math:`\rho\le1+\epsilon_h` (:math:`A>0`) and fo
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
-from ..diagnostics import _log_bound
 from ..types import LossResult
+from ..registry import Param, finite_positive, policy_term
+from ._clip import EPS_HIGH, EPS_LOW, _clip_bounds, _clipped_surrogate, check_eps_low_below_one
 from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
-
-
-def _clip_bounds(eps_low: float, eps_high: Optional[float]) -> Tuple[float, float, float, float]:
-    """Validate the clip range; return ``(eps_low, eps_high, log(1-eps_low), log(1+eps_high))``."""
-    eps_high = eps_low if eps_high is None else eps_high
-    lo_b = _log_bound("eps_low", eps_low, "low")
-    hi_b = _log_bound("eps_high", eps_high, "high")
-    return float(eps_low), float(eps_high), lo_b, hi_b
-
-
-_FAR = 1e4  # a log-ratio bound that never binds (e^{1e4} overflows every float dtype)
-
-
-def _clipped_surrogate(
-    log_ratio: torch.Tensor,
-    adv: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    lo_b: float,
-    hi_b: float,
-    dual_clip: Optional[float] = None,
-) -> torch.Tensor:
-    r"""Elementwise PPO surrogate :math:`\min(\rho A,\operatorname{clip}(\rho)A)` (dual-clipped).
-
-    ``log_ratio`` (attached) and ``adv`` (detached) are finite tensors of one shape.
-    Written as :math:`A\,e^{\operatorname{clamp}(z,\,l_A,\,u_A)}` with per-token log
-    bounds chosen by the sign of :math:`A`:
-
-    * :math:`A\ge0`: :math:`u=\log(1+\epsilon_h)`, no lower bound — for :math:`A>0` this
-      is §8's first table; for :math:`A=0` the value and the gradient are 0 either way, and
-      the bound keeps :math:`e^{z}` finite;
-    * :math:`A<0`: :math:`l=\log(1-\epsilon_l)`, and :math:`u=\log c` with a dual clip.
-
-    ``clamp`` passes the gradient at equality, so a ratio exactly on a bound is active
-    (the §8 convention: :math:`\rho A` for :math:`\rho\le1+\epsilon_h` when
-    :math:`A>0`, for :math:`\rho\ge1-\epsilon_l` when :math:`A<0`). Outside the bounds
-    the surrogate is the constant :math:`(1+\epsilon_h)A`, :math:`(1-\epsilon_l)A` or
-    :math:`cA` (computed as :math:`Ae^{\log(\cdot)}`, equal up to one rounding) with
-    gradient 0, and the ratio is never formed beyond the bound, so no ``0 * inf`` arises.
-    Only arithmetic is used (no ``torch.where``): the bounds are exact because each is
-    ``bound + 0`` where it applies.
-    """
-    with torch.no_grad():
-        negf = torch.sign(adv).clamp_(max=0.0).neg_()  # 1 where A < 0, else 0
-        upper = (negf * _FAR).add_(hi_b)
-        lower = (negf - 1.0).mul_(_FAR).add_(lo_b)
-        if dual_clip is not None:
-            # A < 0: min(upper, log c) = log c exactly; A >= 0: upper
-            upper = torch.minimum(upper, (1.0 - negf).mul_(_FAR).add_(math.log(dual_clip)))
-    z = torch.clamp(log_ratio, min=lower, max=upper)
-    return adv * torch.exp(z)
 
 
 def _check_dual_clip(dual_clip: Optional[float]) -> Optional[float]:
@@ -81,6 +31,34 @@ def _check_dual_clip(dual_clip: Optional[float]) -> Optional[float]:
     return c
 
 
+def _check_dual_clip_field(v) -> None:
+    if v is not None:
+        finite_positive("dual_clip", v)
+        if not v > 1:
+            raise ValueError(f"dual_clip: must be > 1, got {v}")
+
+
+DUAL_CLIP = Param("dual_clip", None, "dual-clip constant c > 1 for negative advantages (``None`` = off).",
+                  Optional[float], _check_dual_clip_field)
+
+
+def _ppo_text(o) -> str:
+    el, eh = o.eps_low, o.eps_high_
+    s = (f"ρ_it = exp(log π_θ(y_it) − sg[log π_old(y_it)])   (per-token ratio, §7)\n"
+         f"x_it = − min(ρ_it A_it, clip(ρ_it, 1 − {el:g}, 1 + {eh:g}) A_it)   (§8)\n"
+         f"    A > 0: no gain once ρ > {1 + eh:g};  A < 0: no gain once ρ < {1 - el:g}")
+    if o.dual_clip is not None:
+        s += f"\n    dual clip: for A < 0, x_it = − max(min(...), {o.dual_clip:g} · A_it)"
+    return s
+
+
+@policy_term(
+    "ppo", zero_without_advantage=True, fields=("eps_low", "eps_high", "dual_clip"), ratio="old",
+    detached=("old log-probs",), aggregation="token_mean", text=_ppo_text, validate=check_eps_low_below_one,
+    params=(EPS_LOW, EPS_HIGH, DUAL_CLIP),
+    call=lambda o, x: ppo_clip_loss(x.logp, x.ratio_logp, x.advantages, x.mask, dual_clip=o.dual_clip,
+                                    eps_low=o.eps_low, eps_high=o.eps_high_, **x.agg),
+)
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

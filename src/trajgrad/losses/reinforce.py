@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..types import LossResult
+from ..registry import policy_term
 from ._common import linear_in_logp, prepare, token_weights
 
 
@@ -27,6 +28,11 @@ def _prepare(logp, mask, advantages, *, aggregation: str, behaviour=None, behavi
     return _Inputs(x.logp, x.mask, x.advantages, x.behaviour)
 
 
+@policy_term(
+    "reinforce", zero_without_advantage=True, fields=(), ratio="none", detached=(), aggregation="seq_mean_token_sum",
+    text=lambda o: "x_it = − A_i · log π_θ(y_it)          (score function, §2/§4; no ratio, on-policy)",
+    call=lambda o, x: reinforce_loss(x.logp, x.advantages, x.mask, **x.agg),
+)
 def reinforce_loss(
     logp: torch.Tensor,
     advantages: torch.Tensor,

@@ -13,13 +13,36 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from ..registry import Param, policy_term
 from ..types import LossResult
 from ._common import linear_in_logp, prepare, ratio_metrics, token_weights
-from .ppo import _clip_bounds
+from ._clip import EPS_HIGH, EPS_LOW, _clip_bounds, check_eps_low_below_one
 
 RATIO_GRADIENTS = ("detached", "attached")
 
 
+RATIO_GRADIENT = Param("ratio_gradient", "detached", "SAO's ``\"detached\"`` or ``\"attached\"`` ratio (§20.2).",
+                       str, lambda v: _checks.check_choice("ratio_gradient", v, ("detached", "attached")))
+
+
+def _sao_text(o) -> str:
+    detached = o.ratio_gradient == "detached"
+    w = "sg[r_t · 1{trusted}]" if detached else "r_t · 1{trusted}  (attached)"
+    g = "A r ∇log π" if detached else "A r (1 + log π) ∇log π"
+    return (f"r_t = exp(log π_θ(a_t) − log π_rollout(a_t))   (direct to the rollout engine's log-probs, §20.2)\n"
+            f"trusted = {1 - o.eps_low:g} < r_t < {1 + o.eps_high_:g}   (strict; both tails rejected, not clipped)\n"
+            f"x_t = − {w} · A_t · log π_θ(a_t)\n"
+            f"    gradient inside the interval: {g}; zero outside")
+
+
+@policy_term(
+    "sao", zero_without_advantage=True, fields=("eps_low", "eps_high", "ratio_gradient"), ratio="behaviour",
+    detached=lambda o: ("rollout log-probs",) + (("the trusted ratio weight",) if o.ratio_gradient == "detached" else ()),
+    aggregation="token_mean", text=_sao_text, verify_noise=0.6, validate=check_eps_low_below_one,
+    params=(EPS_LOW, EPS_HIGH, RATIO_GRADIENT),
+    call=lambda o, x: sao_dis_loss(x.logp, x.ratio_logp, x.advantages, x.mask, ratio_gradient=o.ratio_gradient,
+                                   eps_low=o.eps_low, eps_high=o.eps_high_, **x.agg),
+)
 def sao_dis_loss(
     logp: torch.Tensor,
     rollout_logp: torch.Tensor,

@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 
 from .. import _checks
-from ..diagnostics import _fast_policy_metrics
+from .._policy_stats import _fast_policy_metrics
+from ..registry import Param, finite_positive, policy_term
 from ..types import LossResult
 from ._common import (
     aggregate_sequences, aggregate_tokens, prepare, ratio_metrics, sequence_advantages, token_weights, weighted,
@@ -42,6 +43,39 @@ def _gate(log_ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid((ratio - 1.0).mul_(tau))
 
 
+_TAU_DOC = "SAPO temperatures (§18)."
+TAU_POS = Param("tau_pos", 1.0, _TAU_DOC, float, lambda v: finite_positive("tau_pos", v))
+TAU_NEG = Param("tau_neg", 1.05, _TAU_DOC, float, lambda v: finite_positive("tau_neg", v))
+SAPO_LEVELS = ("token", "sequence")
+SAPO_LEVEL = Param("sapo_level", "token", "SAPO's gate on token ratios (``\"token\"``) or on GSPO's sequence ratio "
+                   "(``\"sequence\"``).", str, lambda v: _checks.check_choice("sapo_level", v, SAPO_LEVELS))
+
+
+def _sapo_text(o) -> str:
+    if o.sapo_level == "sequence":
+        return ("s_i = exp((1/L_i) Σ_t [log π_θ(y_it) − sg[log π_old(y_it)]])   (GSPO's sequence ratio, NOT detached)\n"
+                f"τ_i = {o.tau_pos:g} if A_i > 0 else {o.tau_neg:g}\n"
+                "x_it = − (4/τ_i) σ(τ_i (s_i − 1)) A_i   at every token of response i   (sequence-level SAPO)\n"
+                "    gradient 4p(1−p) s_i A_i (1/L_i) Σ_t ∇log π_θ(y_it): one soft-gated weight per response")
+    return ("r_it = exp(log π_θ(y_it) − sg[log π_old(y_it)])   (NOT detached: its gradient is the update)\n"
+            f"τ_it = {o.tau_pos:g} if A_it > 0 else {o.tau_neg:g}\n"
+            "x_it = − (4/τ_it) σ(τ_it (r_it − 1)) A_it          (§18)\n"
+            "    gradient gate 4p(1−p) r A ∇log π_θ, gate = 1 at r = 1 for any τ")
+
+
+def _sapo_validate(o) -> None:
+    if o.sapo_level == "sequence" and o.estimator.level == "token":
+        raise ValueError("sapo_level: 'sequence' needs one advantage per response; "
+                         f"advantage {o.advantage!r} is per token")
+
+
+@policy_term(
+    "sapo", zero_without_advantage=True, fields=("tau_pos", "tau_neg", "sapo_level"), ratio="old",
+    detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_sapo_text, validate=_sapo_validate,
+    params=(TAU_POS, TAU_NEG, SAPO_LEVEL),
+    call=lambda o, x: sapo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, tau_pos=o.tau_pos, tau_neg=o.tau_neg,
+                                level=o.sapo_level, **x.agg),
+)
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from ..registry import policy_term
 from ..types import LossResult
 from ._common import aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 
@@ -18,6 +19,17 @@ TOKEN_LOG_RATIO_CLAMP = 20.0                              # |z_t| ≤ 20 before 
 SEQ_LOG_RATIO_RANGE = (math.log(1e-8), 20.0)              # log w ∈ [log 1e-8, 20]
 
 
+def _vespo_text(o) -> str:
+    return ("log w_i = clamp(Σ_t clamp(log π_θ(y_it) − log π_old(y_it), ±20), log 1e-8, 20)   (full sequence ratio)\n"
+            "φ(w) = e^λ w^k e^(−λw)   (φ(1) = 1),  (k, λ) = (2, 3) if A_it ≥ 0, (3, 2) if A_it < 0   (the paper's)\n"
+            "x_it = − sg[φ(w_i)] · A_it · log π_θ(y_it)   (a smooth weight on the sequence ratio, no clipping)")
+
+
+@policy_term(
+    "vespo", zero_without_advantage=True, fields=(), ratio="old", detached=("old log-probs", "the weight φ(w_i)"),
+    aggregation="token_mean", text=_vespo_text,
+    call=lambda o, x: vespo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, **x.agg),
+)
 def vespo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

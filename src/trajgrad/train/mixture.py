@@ -250,7 +250,7 @@ def explain_config(cfg) -> str:
     """``trajgrad explain CONFIG``: the config's objective; with ``tasks:`` the environments, then
     each part of the objective that differs between them per environment, then the parts they share
     (from the same :class:`~trajgrad.objective.Objective` objects the loss and advantages use)."""
-    from ..explain import explain, sections
+    from ..objective import explain, sections
 
     base = cfg.objective()
     if cfg.tasks is None:

@@ -6,8 +6,11 @@ A recipe is a frozen record of the decisions that words like "normalize", "clip"
 (§13), where KL to the reference enters (§9), the entropy bonus, and what is detached.
 
 ``Objective.loss`` names a policy term and ``Objective.advantage`` an advantage estimator,
-both entries of the registries in :mod:`trajgrad.registry` (built-ins in
-:mod:`trajgrad.terms` and :mod:`trajgrad.estimators`). :meth:`Objective.policy_loss`
+both entries of the registries in :mod:`trajgrad.registry`; each built-in entry is declared in
+the module of its function (``trajgrad.losses.*``, ``trajgrad.baselines``, ``trajgrad.advantages``,
+``trajgrad.group_baselines``, ``trajgrad.gae``), with the :class:`~trajgrad.registry.Param`
+declarations of the fields it owns. ``Objective``'s fields are composed from those
+declarations and the recipe-wide ones below. :meth:`Objective.policy_loss`
 computes the loss *only* through those entries, and :func:`explain` prints the estimator from
 the same entries and fields, so what is printed is what is optimized: a field that the
 chosen entries do not read cannot be changed (``replace`` refuses it), and every field that
@@ -19,25 +22,31 @@ papers; :func:`explain_diff` prints two recipes side by side, term by term.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
+import textwrap
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import _checks
-from .aggregate import MODES, aggregate
-from .logprobs.correction import OFF, RolloutCorrection
-from .registry import (
+from .. import _checks, advantages, losses  # noqa: F401  (their entries)
+from ..aggregate import MODES, aggregate
+from ..entropy_control import next_entropy_coef
+from ..logprobs.correction import OFF, RolloutCorrection
+from ..losses import kl_estimate, resolve_eps_high, value_loss
+from ..registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_TERMS,
     AdvantageEstimator,
+    Param,
     PolicyInputs,
     PolicyTerm,
+    declare,
+    finite_positive,
+    flag,
     register_advantage_estimator,
-    register_policy_term,
+    seal_params,
 )
-from .types import LossResult
+from ..types import LossResult
+from ._validate import validate
 
 KL_PLACEMENTS = ("none", "reward", "loss")
 KL_KINDS = ("k1", "k2", "k3", "k1+", "k3+", "low_var_kl", "low_var_kl+")
@@ -47,9 +56,6 @@ _KL_ESTIMATE_ARGS = {
     "k1": ("k1", None), "k2": ("k2", None), "k3": ("k3", None), "k1+": ("k1+", None), "k3+": ("k3+", None),
     "low_var_kl": ("k3", 10.0), "low_var_kl+": ("k3+", 10.0),
 }
-DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo")
-SAPO_LEVELS = ("token", "sequence")
-CLIP_COV_HIGH = 5.0  # Clip-Cov's upper covariance bound (Cui et al. 2025)
 # fields every recipe reads (the rest are read only by the entries or modes that declare them)
 _ALWAYS = ("name", "loss", "advantage", "aggregation", "kl_placement", "entropy_coef", "group_size", "paper")
 # fields that set the training schedule, not the value of one loss evaluation
@@ -57,154 +63,131 @@ SCHEDULE_FIELDS = ("group_size", "dynamic_sampling", "critic_updates", "entropy_
                    "entropy_coef_max")
 # the adaptive entropy coefficient's fields, read once a target is set
 _ENTROPY_TARGET_FIELDS = ("entropy_coef_lr", "entropy_coef_max")
+_REQUIRED = dataclasses.MISSING
 
 
-def _finite_positive(name: str, value, *, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: must be finite, got {value}")
-    _checks.check_positive(name, value, allow_zero=allow_zero)
+def _optional_positive(name: str):
+    def check(v) -> None:
+        if v is not None:
+            finite_positive(name, v)
+    return check
 
 
-@dataclass(frozen=True)
-class Objective:
-    """One recipe: every field that changes the estimator, and nothing else.
+def _count(name: str):
+    def check(v) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    return check
 
-    Attributes:
-      name: recipe name.
-      loss: policy term, a key of :data:`trajgrad.registry.POLICY_TERMS` (``reinforce``,
-        ``ppo``, ``gspo``, ``gspo_token``, ``sapo``, ``sao``, ``opd``, ``dpo``, ...).
-      advantage: advantage estimator, a key of :data:`trajgrad.registry.ADVANTAGE_ESTIMATORS`:
-        ``return`` (raw return, §2), ``group_std`` (GRPO, §11), ``group_center`` (Dr. GRPO,
-        §12), ``batch_std`` (centred per group, scaled by the batch std), ``leave_one_out``
-        (RLOO, §5), ``gae`` (critic + token-level skip-observation GAE, §6/§20.4),
-        ``reinforce_pp`` / ``reinforce_pp_baseline`` (REINFORCE++: batch normalization, without
-        or after the group mean), ``maxrl`` ((R − mean)/mean), ``gdpo`` (per-component group
-        normalization, summed, batch normalized; ``trajgrad.advantages``), ``none`` (the loss
-        needs no advantage: OPD, DPO).
-      aggregation: one of :data:`trajgrad.aggregate.MODES` (§13).
-      constant: Dr. GRPO's constant normalizer (``seq_sum_constant``); ``None`` = the padded
-        generation length.
-      eps_low, eps_high: clip range of the ratio (PPO/GRPO/DAPO/GSPO) or the trust interval
-        (SAO); ``eps_high`` ``None`` means ``eps_low``. ``eps_low`` lies in (0, 1).
-      dual_clip: dual-clip constant c > 1 for negative advantages (``None`` = off).
-      tau_pos, tau_neg: SAPO temperatures (§18).
-      ratio_gradient: SAO's ``"detached"`` or ``"attached"`` ratio (§20.2).
-      beta: DPO's β (§10).
-      kl_coef, kl_placement, kl_kind: KL to the reference policy (§9): ``"none"`` (no KL
-        term, ``kl_coef`` 0), in the ``"reward"`` (per token, ``r_t - kl_coef * k``) or as a
-        ``"loss"`` term (``+ kl_coef * aggregate(k)``); ``kl_kind`` the estimator k of
-        :data:`KL_KINDS`. Setting ``kl_placement`` to ``"none"`` sets ``kl_coef`` to 0.
-      gamma, lam: discount and GAE λ (critic recipes).
-      std_eps: ε in ``(R - mean)/(std + ε)``.
-      group_size: rollouts per prompt (1 for single-rollout methods).
-      dynamic_sampling: resample groups with zero reward variance (DAPO, §11); every
-        discarded group and its generation cost are logged.
-      critic: the recipe trains a value function (exactly when its estimator needs one).
-      critic_updates: K critic updates per actor update (SAO §20.3).
-      value_clip: PPO value-clipping range (``None`` = off); the critic's loss is
-        :meth:`value_loss`, in its own backward pass and optimizer.
-      entropy_coef: weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``,
-        where ``H`` is the exact entropy of the full sampling distribution (0 = off). With
-        ``entropy_target`` set it is the coefficient *now* (the start value in a recipe).
-      entropy_target, entropy_coef_lr, entropy_coef_max: adaptive entropy control
-        (:mod:`trajgrad.entropy_control`; Skywork-OR1): after every step
-        ``c ← clip(c + entropy_coef_lr · (entropy_target − H̄), 0, entropy_coef_max)``, ``H̄``
-        the step's token-mean entropy (nats). ``None``: constant. Schedule fields: a loss
-        evaluation reads ``entropy_coef`` only; the trainer carries ``c`` (saved in checkpoints).
-      paper: the reference the defaults come from.
-      jsd_beta, jsd_normalized: the generalized JSD(β) distillation term (``generalized_jsd``; §14): the
-        teacher's weight in the mixture, and how the ends are read — ``"kl_at_ends"`` (TRL's
-        ``generalized_jsd_loss``: JSD(β) for 0 < β < 1, forward KL at β = 0, reverse KL at 1),
-        ``"normalized"`` (JSD(β)/(β(1−β)), continuous on [0, 1]) or ``"unnormalized"``.
-      std_unbiased: the group (and batch) std of the std-scaling estimators divides by G − 1
-        (Bessel; verl's and TRL's GRPO) instead of G (default, the population std): at G = 8
-        the advantages are 6.5% smaller (``trajgrad.baselines.group_advantages``).
-      whiten_advantages: GAE advantages are whitened over every valid token of the batch,
-        (A − μ) / sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``;
-        ``trajgrad.baselines.whiten``); the value targets stay unwhitened.
-      kl_bias_correction: the KL loss term is weighted by the attached ratio ρ = π_θ / sg[π_old]
-        (TRL's ``use_bias_correction_kl``, on by default in TRL 1.16): the unbiased reverse-KL
-        gradient for tokens sampled from π_old (on-policy, without ``old_logp``, ρ = π_θ/sg[π_θ]).
-        ``kl_kind`` also takes verl's ``low_var_kl`` (k3 clamped to [−10, 10], what verl calls
-        ``k3``) and the straight-through ``k1+``, ``k3+``, ``low_var_kl+`` (value of k1 / k3 /
-        clamped k3, gradient of k2; verl's ``k3+`` is ``low_var_kl+``).
-      dpo_loss_type, label_smoothing, simpo_gamma: the preference loss of a pairwise recipe
-        (``trajgrad.losses.dpo_loss``: ``sigmoid`` (DPO, default), ``robust``, ``hinge``,
-        ``ipo``, ``simpo``), its label smoothing ε and SimPO's margin γ.
-      sapo_level: SAPO's gate on token ratios (``"token"``) or on GSPO's sequence ratio
-        (``"sequence"``).
-      weight_eps_low: CISPO's lower clip of the IS weight, bound ``1 − weight_eps_low``
-        (``1.0``: no lower bound, the paper's); the upper one is ``1 + eps_high``.
-      log_clip_low, log_clip_high: GMPO's clip range on the token *log* ratio.
-      delta_low, delta_high: DPPO's trust region (probability units for binary TV, nats
-        for binary KL).
-      dppo_ratio_cap: DPPO's detached ratio weight truncated at this value (``None``: not
-        truncated; verl truncates at its ``clip_ratio_c``, 3 with its defaults).
-      cov_ratio, cov_low: Clip-Cov / KL-Cov: fraction of valid tokens selected, and Clip-Cov's
-        lower covariance bound (the upper one is the paper's 5, a constant of the recipe;
-        ``trajgrad.losses.clip_cov_loss`` takes both). Clip-Cov's random selection is seeded
-        by the batch content (the same batch selects the same tokens).
-      cov_kl_coef: KL-Cov's penalty coefficient β.
-      rollout_correction: a :class:`trajgrad.correction.RolloutCorrection` (or a dict of its
-        fields: kind, level, cap, bounds, reject, reject_threshold, reject_level,
-        seq_mask_delta, mode); ``None`` (stored as the no-op setting) is off. Applied by
-        :meth:`policy_loss` to every token recipe, with ``behaviour_logp``.
-    """
 
-    name: str
-    loss: str
-    advantage: str
-    aggregation: str
-    constant: Optional[float] = None
-    eps_low: float = 0.2
-    eps_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    ratio_gradient: str = "detached"
-    beta: float = 0.1
-    kl_coef: float = 0.0
-    kl_placement: str = "none"
-    kl_kind: str = "k1"
-    gamma: float = 1.0
-    lam: float = 1.0
-    std_eps: float = 1e-6
-    group_size: int = 1
-    dynamic_sampling: bool = False
-    critic: bool = False
-    critic_updates: int = 1
-    value_clip: Optional[float] = None
-    entropy_coef: float = 0.0
-    entropy_target: Optional[float] = None
-    entropy_coef_lr: float = 0.01
-    entropy_coef_max: float = 0.05
-    paper: str = ""
-    jsd_beta: float = 0.5
-    jsd_normalized: str = "kl_at_ends"
-    std_unbiased: bool = False
-    whiten_advantages: bool = False
-    kl_bias_correction: bool = False
-    dpo_loss_type: str = "sigmoid"
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    sapo_level: str = "token"
-    weight_eps_low: float = 1.0
-    log_clip_low: float = 0.4
-    log_clip_high: float = 0.4
-    delta_low: float = 0.1
-    delta_high: float = 0.1
-    dppo_ratio_cap: Optional[float] = None
-    cov_ratio: float = 2e-4
-    cov_low: float = 1.0
-    cov_kl_coef: float = 1.0
-    rollout_correction: RolloutCorrection = OFF
+def _nonneg(name: str):
+    return lambda v: finite_positive(name, v, allow_zero=True)
+
+
+def _optional_nonneg(name: str):
+    def check(v) -> None:
+        if v is not None:
+            finite_positive(name, v, allow_zero=True)
+    return check
+
+
+_KL_DOC = ("KL to the reference policy (§9): ``\"none\"`` (no KL term, ``kl_coef`` 0), in the ``\"reward\"`` (per "
+           "token, ``r_t - kl_coef * k``) or as a ``\"loss\"`` term (``+ kl_coef * aggregate(k)``); ``kl_kind`` the "
+           "estimator k of :data:`KL_KINDS`. Setting ``kl_placement`` to ``\"none\"`` sets ``kl_coef`` to 0.")
+_ENTROPY_TARGET_DOC = (
+    "adaptive entropy control (:mod:`trajgrad.entropy_control`; Skywork-OR1): after every step ``c ← clip(c + "
+    "entropy_coef_lr · (entropy_target − H̄), 0, entropy_coef_max)``, ``H̄`` the step's token-mean entropy (nats). "
+    "``None``: constant. Schedule fields: a loss evaluation reads ``entropy_coef`` only; the trainer carries ``c`` "
+    "(saved in checkpoints).")
+
+# the recipe-wide fields (every entry's own fields are declared in its module)
+RECIPE_PARAMS: Tuple[Param, ...] = declare(
+    Param("name", _REQUIRED, "recipe name.", str),
+    Param("loss", _REQUIRED, "policy term, a key of :data:`trajgrad.registry.POLICY_TERMS` (``reinforce``, ``ppo``, "
+          "``gspo``, ``gspo_token``, ``sapo``, ``sao``, ``opd``, ``dpo``, ...).", str,
+          lambda v: _checks.check_choice("loss", v, tuple(POLICY_TERMS))),
+    Param("advantage", _REQUIRED, "advantage estimator, a key of :data:`trajgrad.registry.ADVANTAGE_ESTIMATORS`: "
+          "``return`` (raw return, §2), ``group_std`` (GRPO, §11), ``group_center`` (Dr. GRPO, §12), ``batch_std`` "
+          "(centred per group, scaled by the batch std), ``leave_one_out`` (RLOO, §5), ``gae`` (critic + token-level "
+          "skip-observation GAE, §6/§20.4), ``reinforce_pp`` / ``reinforce_pp_baseline`` (REINFORCE++: batch "
+          "normalization, without or after the group mean), ``maxrl`` ((R − mean)/mean), ``gdpo`` (per-component "
+          "group normalization, summed, batch normalized; ``trajgrad.advantages``), ``none`` (the loss needs no "
+          "advantage: OPD, DPO).", str, lambda v: _checks.check_choice("advantage", v, tuple(ADVANTAGE_ESTIMATORS))),
+    Param("aggregation", _REQUIRED, "one of :data:`trajgrad.aggregate.MODES` (§13).", str,
+          lambda v: _checks.check_choice("aggregation", v, MODES)),
+    Param("constant", None, "Dr. GRPO's constant normalizer (``seq_sum_constant``); ``None`` = the padded generation "
+          "length.", Optional[float], _optional_positive("constant")),
+    Param("kl_coef", 0.0, _KL_DOC, float, _nonneg("kl_coef")),
+    Param("kl_placement", "none", _KL_DOC, str, lambda v: _checks.check_choice("kl_placement", v, KL_PLACEMENTS)),
+    Param("kl_kind", "k1", _KL_DOC, str, lambda v: _checks.check_choice("kl_kind", v, KL_KINDS)),
+    Param("group_size", 1, "rollouts per prompt (1 for single-rollout methods).", int, _count("group_size")),
+    Param("dynamic_sampling", False, "resample groups with zero reward variance (DAPO, §11); every discarded group "
+          "and its generation cost are logged.", bool),
+    Param("critic", False, "the recipe trains a value function (exactly when its estimator needs one).", bool),
+    Param("critic_updates", 1, "K critic updates per actor update (SAO §20.3).", int, _count("critic_updates")),
+    Param("value_clip", None, "PPO value-clipping range (``None`` = off); the critic's loss is :meth:`value_loss`, "
+          "in its own backward pass and optimizer.", Optional[float], _optional_positive("value_clip")),
+    Param("entropy_coef", 0.0, "weight of the entropy bonus ``− entropy_coef · aggregate(H(π_θ))``, where ``H`` is "
+          "the exact entropy of the full sampling distribution (0 = off). With ``entropy_target`` set it is the "
+          "coefficient *now* (the start value in a recipe).", float, _nonneg("entropy_coef")),
+    Param("entropy_target", None, _ENTROPY_TARGET_DOC, Optional[float], _optional_nonneg("entropy_target")),
+    Param("entropy_coef_lr", 0.01, _ENTROPY_TARGET_DOC, float, lambda v: finite_positive("entropy_coef_lr", v)),
+    Param("entropy_coef_max", 0.05, _ENTROPY_TARGET_DOC, float, lambda v: finite_positive("entropy_coef_max", v)),
+    Param("paper", "", "the reference the defaults come from.", str),
+    Param("kl_bias_correction", False, "the KL loss term is weighted by the attached ratio ρ = π_θ / sg[π_old] "
+          "(TRL's ``use_bias_correction_kl``, on by default in TRL 1.16): the unbiased reverse-KL gradient for tokens "
+          "sampled from π_old (on-policy, without ``old_logp``, ρ = π_θ/sg[π_θ]). ``kl_kind`` also takes verl's "
+          "``low_var_kl`` (k3 clamped to [−10, 10], what verl calls ``k3``) and the straight-through ``k1+``, "
+          "``k3+``, ``low_var_kl+`` (value of k1 / k3 / clamped k3, gradient of k2; verl's ``k3+`` is "
+          "``low_var_kl+``).", bool, lambda v: flag("kl_bias_correction", v)),
+    Param("rollout_correction", OFF, "a :class:`trajgrad.correction.RolloutCorrection` (or a dict of its fields: "
+          "kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode); ``None`` (stored "
+          "as the no-op setting) is off. Applied by :meth:`policy_loss` to every token recipe, with "
+          "``behaviour_logp``.", RolloutCorrection),
+)
+
+register_advantage_estimator(AdvantageEstimator(
+    name="none", level="none", call=None, fields=(), text=lambda o: "none (the loss takes no advantage)",
+))
+
+# the order of Objective's fields (its constructor, ``to_dict``, ``explain_diff``); a field declared later
+# (a new entry's) follows in declaration order
+_ORDER = ("name", "loss", "advantage", "aggregation", "constant", "eps_low", "eps_high", "dual_clip", "tau_pos",
+          "tau_neg", "ratio_gradient", "beta", "kl_coef", "kl_placement", "kl_kind", "gamma", "lam", "std_eps",
+          "group_size", "dynamic_sampling", "critic", "critic_updates", "value_clip", "entropy_coef", "entropy_target",
+          "entropy_coef_lr", "entropy_coef_max", "paper", "jsd_beta", "jsd_normalized", "std_unbiased",
+          "whiten_advantages", "kl_bias_correction", "dpo_loss_type", "label_smoothing", "simpo_gamma", "sapo_level",
+          "weight_eps_low", "log_clip_low", "log_clip_high", "delta_low", "delta_high", "dppo_ratio_cap", "cov_ratio",
+          "cov_low", "cov_kl_coef", "rollout_correction")
+
+
+def _fields() -> Tuple[Param, ...]:
+    params = {p.name: p for p in seal_params()}
+    return tuple(params[n] for n in _ORDER) + tuple(p for n, p in params.items() if n not in _ORDER)
+
+
+def _attributes_doc(params: Tuple[Param, ...]) -> str:
+    """The ``Attributes:`` section: one entry per declaration, fields sharing one description together."""
+    out, i = [], 0
+    while i < len(params):
+        j = i + 1
+        while j < len(params) and params[j].doc is params[i].doc:
+            j += 1
+        head = ", ".join(p.name for p in params[i:j]) + ": " + params[i].doc
+        out += textwrap.wrap(head, 100, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False,
+                             break_long_words=False)
+        i = j
+    return "\n".join(out)
+
+
+class _ObjectiveMethods:
+    """The methods of :class:`Objective` (its fields are composed from the declarations)."""
 
     def __post_init__(self) -> None:
-        from ._objective_checks import validate
-
         object.__setattr__(self, "rollout_correction", RolloutCorrection.coerce(self.rollout_correction))
+        for p in _PARAMS:
+            if p.check is not None:
+                p.check(getattr(self, p.name))
         validate(self)
 
     # ------------------------------------------------------------------ the entries
@@ -276,7 +259,8 @@ class Objective:
 
     @property
     def eps_high_(self) -> float:
-        return self.eps_low if self.eps_high is None else self.eps_high
+        """The upper clip: ``eps_high``, or ``eps_low`` where it is ``None`` (:func:`trajgrad.losses.resolve_eps_high`)."""
+        return resolve_eps_high(self.eps_low, self.eps_high)
 
     def read_fields(self) -> Tuple[str, ...]:
         """Every field this recipe's loss, advantages or schedule read (the rest have no effect)."""
@@ -334,8 +318,6 @@ class Objective:
         r"""The coefficient for the next step from the entropy measured in this one (nats per
         token): ``clip(entropy_coef + entropy_coef_lr · (entropy_target − entropy), 0,
         entropy_coef_max)`` (:func:`trajgrad.entropy_control.next_entropy_coef`)."""
-        from .entropy_control import next_entropy_coef
-
         if not self.adaptive_entropy:
             raise ValueError("entropy_target: is None; the entropy coefficient does not adapt")
         return next_entropy_coef(self.entropy_coef, entropy, target=self.entropy_target, lr=self.entropy_coef_lr,
@@ -366,8 +348,6 @@ class Objective:
 
         ``old_logp`` is used only with ``kl_bias_correction`` (the ratio weight to the sampling policy).
         """
-        from .losses import kl_estimate
-
         kind, clamp = _KL_ESTIMATE_ARGS[self.kl_kind]
         return kl_estimate(logp, ref_logp, mask, kind=kind, clamp=clamp, old_logp=old_logp)
 
@@ -424,8 +404,6 @@ class Objective:
         denominator. The correction's metrics (``correction/*``) join the term's. The KL and
         entropy terms are not re-weighted.
         """
-        from .losses import kl_estimate
-
         term = self.term
         if term.kind != "token":
             method = "dpo_loss" if term.kind == "pairwise" else "distill_loss"
@@ -484,8 +462,6 @@ class Objective:
 
         Token mean over action tokens, in the critic's own backward pass.
         """
-        from .losses import value_loss
-
         if not self.critic:
             raise ValueError(f"critic: recipe {self.name!r} has no critic")
         return value_loss(values, targets, mask, old_values=old_values, clip_range=self.value_clip, denominator=denominator)
@@ -512,38 +488,29 @@ class Objective:
         return self.term.call(self, kw) if self.term.call is not None else self.term.fn(**kw)
 
 
-# ---------------------------------------------------------------------- the registry's entries and recipes
-from . import estimators as _estimators  # noqa: E402,F401  (registers the built-in advantage estimators)
-from . import terms as _terms  # noqa: E402,F401  (registers the built-in policy terms)
-from .recipes import RECIPES  # noqa: E402
+_DOC = """One recipe: every field that changes the estimator, and nothing else.
+
+    Its fields are composed from the :class:`~trajgrad.registry.Param` declarations: the recipe-wide
+    ones (:data:`RECIPE_PARAMS`) and those of every registered policy term and advantage estimator,
+    each declared in the module of its function. A recipe reads only its entries' fields
+    (:meth:`read_fields`); ``replace`` refuses any other.
+
+    Attributes:
+{attributes}
+    """
 
 
-def get_recipe(name: str, **overrides: Any) -> Objective:
-    """A recipe by name, with fields overridden (validated)."""
-    if name not in RECIPES:
-        raise ValueError(f"recipe: unknown {name!r}; known: {', '.join(RECIPES)}")
-    obj = RECIPES[name]
-    return obj.replace(**overrides) if overrides else obj
+def _compose():
+    params = _PARAMS
+    cls = dataclasses.make_dataclass(
+        "Objective", [(p.name, p.annotation) if p.default is _REQUIRED else
+                      (p.name, p.annotation, dataclasses.field(default=p.default)) for p in params],
+        bases=(_ObjectiveMethods,), frozen=True, namespace={"__module__": __name__})
+    cls.__doc__ = _DOC.format(attributes=textwrap.indent(_attributes_doc(params), "    "))
+    return cls
 
 
-# ---------------------------------------------------------------------- explain (its own module)
-from .explain import explain, explain_diff, sections  # noqa: E402
+_PARAMS = _fields()  # Objective's fields, in order
+Objective = _compose()
 
-__all__ = [
-    "Objective",
-    "RECIPES",
-    "get_recipe",
-    "explain",
-    "explain_diff",
-    "sections",
-    "register_policy_term",
-    "register_advantage_estimator",
-    "PolicyTerm",
-    "AdvantageEstimator",
-    "PolicyInputs",
-    "POLICY_TERMS",
-    "ADVANTAGE_ESTIMATORS",
-    "KL_PLACEMENTS",
-    "KL_KINDS",
-    "SCHEDULE_FIELDS",
-]
+__all__ = ["Objective", "RECIPE_PARAMS", "KL_PLACEMENTS", "KL_KINDS", "SCHEDULE_FIELDS"]

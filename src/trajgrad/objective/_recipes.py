@@ -5,9 +5,9 @@ trainer's ``recipe.overrides`` does exactly that); ``trajgrad explain NAME`` pri
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
-from .objective import Objective
+from ._core import Objective
 
 RECIPES: Dict[str, Objective] = {
     "reinforce": Objective(
@@ -159,3 +159,11 @@ RECIPES: Dict[str, Objective] = {
         paper="Liu et al. 2026 (GDPO, arXiv 2601.05242): per-component group normalization, sum, batch normalization",
     ),
 }
+
+
+def get_recipe(name: str, **overrides: Any) -> Objective:
+    """A recipe by name, with fields overridden (validated)."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe: unknown {name!r}; known: {', '.join(RECIPES)}")
+    obj = RECIPES[name]
+    return obj.replace(**overrides) if overrides else obj

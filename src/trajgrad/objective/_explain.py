@@ -11,7 +11,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Sequence
 
-from .objective import Objective, get_recipe
+from ._core import Objective
+from ._recipes import get_recipe
 
 _AGG_TEXT = {
     "token_mean": "Σ_i Σ_t m_it x_it / Σ_i L_i            (every token weighs the same; long responses weigh more)",
