@@ -549,9 +549,9 @@ def test_ray_learners_use_the_trainers_public_interface_and_no_recipe_names():
     import trajgrad.train as train_pkg
     from trajgrad.objective import RECIPES
     from trajgrad.registry import ADVANTAGE_ESTIMATORS, POLICY_TERMS
-    from trajgrad.train import grouped, ray_learner, sao
+    from trajgrad.train import async_trainer, grouped, ray_learner
 
-    for mod in (ray_learner, sao, grouped):
+    for mod in (ray_learner, async_trainer, grouped):
         for n in ast.walk(ast.parse(inspect.getsource(mod))):
             if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
                 base = n.value

@@ -53,7 +53,7 @@ from .mixture import Mixture
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, invalid_action_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
-from .allocator import keep_freed_memory
+from ..runtime.allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 from .learning_signal import NoSignalWatch, signal_facts
