@@ -42,7 +42,7 @@ from .. import distributed as dist_lib
 from ..envs.mcp import mcp_metrics
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
-from . import fsdp, loop, tokenlog, updates
+from . import fsdp, loop, offline, tokenlog, updates
 from .collect import collect_groups, next_in_order, task_in_order
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
@@ -394,7 +394,7 @@ class Trainer:
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
             mine = dist_lib.shard(tasks, self.rank, self.world)
             batch = demo_batch(self.tokenizer, self.source, mine, self.pad_id) if mine else None
-            total = updates.sft_update(self.learner, model, opt, batch)
+            total = offline.sft_update(self.learner, model, opt, batch)
             losses.append(total)
             if progress is not None:
                 progress(s, total)
@@ -419,7 +419,7 @@ class Trainer:
         self.cursor += 1
         chosen = collate([p[0] for p in mine], self.pad_id) if mine else None
         rejected = collate([p[1] for p in mine], self.pad_id) if mine else None
-        out = updates.dpo_update(self.learner, chosen, rejected, len(pairs))
+        out = offline.dpo_update(self.learner, chosen, rejected, len(pairs))
         self.policy_version += 1
         return out
 

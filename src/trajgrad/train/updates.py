@@ -6,16 +6,17 @@ forward, loss with the step's *global* denominator, backward; sum the gradients 
 the sum is the gradient of the whole batch's loss); clip; step. The steps:
 
 * :func:`policy_update`: the recipe's policy loss (:meth:`Objective.policy_loss`), for
-  ``epochs_per_batch`` epochs;
+  ``epochs_per_batch`` epochs: :func:`old_logprobs` (the log-probs it is taken against),
+  :func:`prepare_policy_step` (micro-batches and denominator, inputs checked once), then
+  :func:`policy_step` (the loop down to ``optimizer.step()``), the trainer's steps 2, 4, 5;
 * :func:`critic_update`: ``K`` value-loss steps on TD(λ) targets, then skip-observation
   GAE advantages from the updated critic (§20.3, §20.4; bootstrap values from
   :mod:`trajgrad.credit`);
-* :func:`distill_update`: on-policy distillation against the frozen teacher (§14);
-* :func:`dpo_update`: DPO on preference pairs, the pair count of the whole step as the
-  denominator (§10, §13);
-* :func:`sft_update`: masked negative log-likelihood on demonstrations.
+* :func:`distill_update`: on-policy distillation against the frozen teacher (§14).
 
-Nothing here samples, logs or checkpoints; the formulas are the core's.
+DPO and SFT, the steps on fixed data, are in :mod:`trajgrad.train.offline`; the metrics
+besides the loss in :mod:`trajgrad.train.update_metrics`. Nothing here samples, logs or
+checkpoints; the formulas are the core's.
 """
 from __future__ import annotations
 
@@ -27,12 +28,11 @@ import torch
 
 from .. import credit
 from .. import distributed as dist_lib
-from ..aggregate import Normalizer, aggregate, masked_mean
-from ..correction import turn_metrics
+from ..aggregate import Normalizer, masked_mean
 from ..diagnostics import explained_variance
 from ..turn_stats import mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs
-from ..losses import kl_estimate, sequence_logp
+from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch
 from ..weights import ReferenceWeights
@@ -40,6 +40,7 @@ from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
 from . import fsdp, tokenlog
 from .checkpoint_state import entropy_coef_state, set_entropy_coef_state
+from .update_metrics import correction_metrics, sampler_learner_metrics
 
 
 @dataclass
@@ -224,52 +225,6 @@ def adapt_entropy_coef(st: LearnerState, obj: Objective, entropy_sum: float, tok
     set_entropy_coef_state(st.optimizer, nxt)
     return {"entropy_control/coef": obj.entropy_coef, "entropy_control/next_coef": nxt,
             "entropy_control/target": float(obj.entropy_target), "entropy_control/measured": float(measured)}
-
-
-def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
-    r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
-
-    ``mismatch/kl_k1`` and ``mismatch/kl_k3`` are the sampled estimates of
-    :math:`\mathrm{KL}(\mu\Vert\pi)` on the tokens the sampler drew (:math:`-z` and
-    :math:`e^z-1-z`, :math:`z=\log\pi-\log\mu`), the quantities the rollout correction
-    reports as ``correction/kl/*``, logged with the correction off too.
-    """
-    m = {"entropy": float(masked_mean(entropy.double(), mask))}
-    m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
-    z = torch.where(mask, learner.double() - torch.nan_to_num(behaviour.double()), torch.zeros_like(learner.double()))
-    m["mismatch/kl_k1"] = float(masked_mean(-z, mask))
-    m["mismatch/kl_k3"] = float(masked_mean(torch.expm1(z) - z, mask))
-    diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
-    m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
-    return m
-
-
-def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torch.Tensor, target_logp: torch.Tensor,
-                       advantages: Optional[torch.Tensor] = None) -> Dict[str, float]:
-    r"""The recipe's rollout-correction metrics over the whole batch, and per turn (§7, §16).
-
-    The correction (:meth:`RolloutCorrection.__call__`) is computed once on the whole batch,
-    from ``behaviour_logp`` :math:`\log\mu` and ``target_logp`` (:math:`\log\pi_{old}` in
-    ``"decoupled"`` mode, the current :math:`\log\pi_\theta` in ``"bypass"``), so the
-    sequence-level weights and the min / max / effective sample size are those of the step,
-    not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
-    turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
-    turn's action tokens (:func:`trajgrad.correction.turn_metrics`):
-    ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the turn's tokens),
-    ``kept_frac``, ``dropped_frac``, and each reason separately: ``truncated_frac``,
-    ``masked_frac``, ``rejected_frac``, ``seq_masked_frac``; ``kl/k1`` and ``kl/k3`` (of
-    :math:`\mathrm{KL}(\mu\Vert\pi)`). Everything is detached.
-    """
-    rc = obj.rollout_correction
-    mask = batch.action_mask.bool()
-    with torch.no_grad():
-        beh = torch.where(mask, behaviour_logp.detach().double(), 0.0)
-        tgt = torch.where(mask, target_logp.detach().double(), 0.0)
-        adv = None if rc.seq_mask_delta is None else advantages
-        corr = rc(beh, tgt, mask, advantages=adv)
-        out = {k: float(v) for k, v in corr.metrics.items()}
-        out.update(turn_metrics(corr, beh, tgt, mask, batch.turn_ids))
-    return out
 
 
 # ---------------------------------------------------------------------- policy
@@ -561,75 +516,3 @@ def distill_update(st: LearnerState, batch: RolloutBatch) -> Dict[str, float]:
         metrics["grad_norm"] = gn
     metrics["loss"] = total
     return metrics
-
-
-# ---------------------------------------------------------------------- DPO
-def dpo_pair_loss(objective: Objective, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp,
-                  num_pairs: int):
-    r"""This rank's share of the step's DPO loss: :math:`\frac1N\sum_{b\in\text{rank}}\ell_b`.
-
-    ``N`` (``num_pairs``) is the pair count of the whole step over every rank, so the sum
-    over ranks of these losses (and of their gradients) is the single-process loss on all
-    pairs (§13). :meth:`Objective.dpo_loss` returns the local mean
-    :math:`\frac1{B}\sum_b\ell_b`; it is rescaled by :math:`B/N` (exact: a finite factor).
-    Returns the local :class:`~trajgrad.types.LossResult` (its ``loss`` the local mean) and
-    the rescaled loss to backpropagate.
-    """
-    B = int(chosen_logp.shape[0])
-    if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < B or num_pairs < 1:
-        raise ValueError(f"num_pairs: expected an integer >= {max(B, 1)} (this rank's pairs), got {num_pairs!r}")
-    res = objective.dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)
-    return res, res.loss * (B / num_pairs)
-
-
-def dpo_update(st: LearnerState, chosen: Optional[RolloutBatch], rejected: Optional[RolloutBatch],
-               num_pairs: int) -> Dict[str, float]:
-    """One DPO step on this rank's pairs (``chosen``/``rejected`` None when it holds none:
-    it still takes part in the gradient sum); the denominator is ``num_pairs``, the step's
-    pair count over every rank (§13)."""
-    st.optimizer.zero_grad(set_to_none=True)
-    out: Dict[str, float] = {}
-    local = 0.0
-    if chosen is not None and len(chosen) > 0:
-        with torch.no_grad():
-            ref_c = sequence_logp(reference_logprobs(st, chosen).double(), chosen.action_mask)
-            ref_r = sequence_logp(reference_logprobs(st, rejected).double(), rejected.action_mask)
-        pc = sequence_logp(logprobs(st, chosen).logp.double(), chosen.action_mask)
-        pr = sequence_logp(logprobs(st, rejected).logp.double(), rejected.action_mask)
-        res, share = dpo_pair_loss(st.objective, pc, pr, ref_c, ref_r, num_pairs)
-        share.backward()
-        local = float(share.detach())
-        out.update({k: float(v.detach()) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
-    else:
-        snapshot_reference(st)
-    params = st.trainable()
-    finish_step(params, st.optimizer, st.grad_clip or 1e9)
-    # per-pair means over every rank's pairs; the loss is the sum of the ranks' shares
-    n_local = 0 if chosen is None else len(chosen)
-    out = dist_lib.mean_metrics_over_ranks(out, weight=n_local)
-    out["loss"] = dist_lib.sum_over_ranks(local)
-    return out
-
-
-# ---------------------------------------------------------------------- SFT
-def sft_update(st: LearnerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               batch: Optional[RolloutBatch]) -> float:
-    """One step of masked negative log-likelihood on demonstration tokens (token mean over
-    the step's tokens on every rank); returns this rank's share of the loss. ``batch=None``:
-    this rank holds no demonstration this step (it still takes part in the sums)."""
-    params = st.trainable(model)
-    optimizer.zero_grad(set_to_none=True)
-    if batch is None:
-        global_denominator([], "token_mean")  # the count's all-reduce, matched on every rank
-        finish_step(params, optimizer, 1.0)
-        return 0.0
-    mbs = micro_batches(len(batch), st.micro_batch_size)
-    den = global_denominator([batch.action_mask[i] for i in mbs], "token_mean")
-    total = 0.0
-    for idx in mbs:
-        mb = batch.select(idx)
-        loss = aggregate(-logprobs(st, mb, model=model).logp, mb.action_mask, "token_mean", denominator=den)
-        loss.backward()
-        total += float(loss.detach())
-    finish_step(params, optimizer, 1.0)
-    return total
