@@ -24,7 +24,7 @@ alone gives with the generation times measured (:func:`barrier_ratio`).
 
 Part 2, reward curves at equal wall-clock on the tiny presets: ``sao-tiny`` (2 workers)
 against ``tiny`` (GRPO, in-process), both starting from the same SFT warm start (done once),
-no environment latency; written with trajgrad.train.plot.plot_compare.
+no environment latency; written with trajgrad.view.plot.plot_compare.
 
     .venv/bin/python bench/bench_async.py                      # both parts
     .venv/bin/python bench/bench_async.py --skip-curves --seconds 30 --latency 0.05,1.0 0.5,1.0
@@ -244,7 +244,7 @@ def reward_curves(seconds, root, out_png, sft_steps=None):
 
     from trajgrad.train.asynchronous import AsyncTrainer
     from trajgrad.train.config import load_config
-    from trajgrad.train.plot import plot_compare
+    from trajgrad.view.plot import plot_compare
     from trajgrad.train.trainer import Trainer
 
     common = {"eval.before": False, "eval.after": True, "eval.every": 0, "checkpoint.every": 0,

@@ -7,7 +7,7 @@ swapped in. Each cell appends one JSON line to ``bench/results/learning.jsonl``:
 
 * held-out greedy success before and after training on the same held-out tasks (at least
   64 distinct ones; counts and 95% Wilson intervals) and McNemar's exact test on the paired
-  before/after outcomes (:func:`trajgrad.train.stats.mcnemar_exact_test`);
+  before/after outcomes (:func:`trajgrad.stats.mcnemar_exact_test`);
 * wall time from the start of the run to its last update: the SFT warm start (if any) and
   evaluations during training included, the before/after evaluations not (they are
   reported separately, as are the SFT time and the model load);
@@ -47,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from trajgrad.train.config import load_config, parse_overrides  # noqa: E402
-from trajgrad.train.stats import mcnemar_exact_test, paired_counts, wilson_interval  # noqa: E402
+from trajgrad.stats import mcnemar_exact_test, paired_counts, wilson_interval  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "learning.jsonl"

@@ -19,7 +19,7 @@ builds ``.venv-peers`` (pinned trl, layered on ``.venv``)::
     PYTHONPATH=$PWD/src .venv-peers/bin/python bench/bench_trl.py --workload smollm2 --steps 2 --warmup 1 --rounds 1
 
 ``--trl-same-allocator`` adds TRL run with the allocator settings trajgrad's trainer applies
-(``train.keep_freed_mb``; ``trajgrad.train.allocator``), given through glibc's environment
+(``train.keep_freed_mb``; ``trajgrad.runtime.allocator``), given through glibc's environment
 variables, alternated with the others: how much of the ratio those settings account for.
 
 ``--baseline-src DIR`` adds a third side, trajgrad imported from ``DIR`` (another checkout's
@@ -257,7 +257,7 @@ def main() -> None:
             if side == "baseline":
                 env["PYTHONPATH"] = os.path.abspath(a.baseline_src)
             if side == "trl-alloc":
-                from trajgrad.train.allocator import env_equivalent
+                from trajgrad.runtime.allocator import env_equivalent
                 from trajgrad.train.config import LoopConfig
 
                 env.update(env_equivalent(LoopConfig().keep_freed_mb))

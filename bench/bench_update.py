@@ -46,19 +46,21 @@ def _update_rows(steps: int, rounds: int):
     d["log"] = {"tensorboard": False, "progress": False}
     tr = Trainer(build_config(d), tempfile.mkdtemp(prefix="bench_update_"), console=lambda *a: None)
     kept = []
-    real = tr._policy_update
+    real = updates.prepare_policy_step
 
-    def keep(*a, **k):
-        st = tr.learner
+    def keep(st, *a, record=None, **k):  # the inputs of each policy update and the state before it
         kept.append((a, k, copy.deepcopy(st.model.state_dict()), copy.deepcopy(st.optimizer.state_dict())))
-        return real(*a, **k)
+        return real(st, *a, record=record, **k)
 
-    tr._policy_update = keep
+    updates.prepare_policy_step = keep
     zero = []
-    for _ in range(steps):
-        m = tr.train_step()
-        tr.step += 1
-        zero.append(m["groups/zero_variance_frac"])
+    try:
+        for _ in range(steps):
+            m = tr.train_step()
+            tr.step += 1
+            zero.append(m["groups/zero_variance_frac"])
+    finally:
+        updates.prepare_policy_step = real
     st = tr.learner
     rows = []
     for i, (a, k, model0, opt0) in enumerate(kept):

@@ -7,11 +7,11 @@ from concurrent.futures import Future
 
 
 def scripted_proxy(tok, agent: str, replies):
-    """A :class:`~trajgrad.train.proxy.ProxySampler` on the tiny model whose calls answer ``replies`` in
+    """A :class:`~trajgrad.serve.proxy.ProxySampler` on the tiny model whose calls answer ``replies`` in
     order (each + end of turn, log-prob -0.25 per token)."""
     from trajgrad.model.tiny import build_tiny_model
     from trajgrad.rollout.chat import encode, end_of_turn_id
-    from trajgrad.train.proxy import ProxySampler
+    from trajgrad.serve.proxy import ProxySampler
 
     s = ProxySampler(build_tiny_model(tok, seed=0), tok, agent=agent, temperature=1.0, top_k=None, top_p=None,
                      max_new_tokens=64, console=lambda m: None)

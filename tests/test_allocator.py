@@ -1,4 +1,4 @@
-"""train/allocator.py: the trainer's process keeps freed memory for the next step (glibc)."""
+"""runtime/allocator.py: the trainer's process keeps freed memory for the next step (glibc)."""
 import os
 import platform
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from trajgrad.train.allocator import env_equivalent, keep_freed_memory
+from trajgrad.runtime.allocator import env_equivalent, keep_freed_memory
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 
@@ -22,7 +22,7 @@ import os, resource, sys
 import torch
 sys.path.insert(0, {src!r})
 if {apply!r}:
-    from trajgrad.train.allocator import keep_freed_memory
+    from trajgrad.runtime.allocator import keep_freed_memory
     print(keep_freed_memory(512), file=sys.stderr)
 def rss():
     with open("/proc/self/statm") as f:
@@ -70,3 +70,13 @@ def test_keep_freed_memory_reports_and_validates(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
     line = keep_freed_memory(512)
     assert "unchanged" in line and "MALLOC_TRIM_THRESHOLD_" in line
+
+
+def test_the_old_module_path_warns_and_is_the_same_function():
+    import importlib
+    import sys
+
+    sys.modules.pop("trajgrad.train.allocator", None)
+    with pytest.warns(DeprecationWarning, match="trajgrad.runtime.allocator"):
+        old = importlib.import_module("trajgrad.train.allocator")
+    assert old.keep_freed_memory is keep_freed_memory and old.env_equivalent is env_equivalent

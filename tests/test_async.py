@@ -31,6 +31,7 @@ from trajgrad.train.asynchronous import (
     load_trainable_state,
     trainable_state,
 )
+from trajgrad.train import updates
 from trajgrad.train.async_state import load_async_state
 from trajgrad.train.checkpoint import latest_checkpoint
 from trajgrad.train.config import PRESETS, build_config, load_config
@@ -344,8 +345,8 @@ def ray_session():
 
 def _critic_values(tr, batch):
     with torch.no_grad():
-        hidden = torch.cat([tr._logprobs(batch.select(i), want_hidden=True).hidden
-                            for i in tr._micro_batches(len(batch))])
+        hidden = torch.cat([updates.logprobs(tr.learner, batch.select(i), want_hidden=True).hidden
+                            for i in updates.micro_batches(len(batch), tr.learner.micro_batch_size)])
         return tr.value_head(hidden).double()
 
 
@@ -388,7 +389,7 @@ def async_run(ray_session, tmp_path_factory):
     at = AsyncTrainer(_config(3), run_dir, console=lambda *a: None)
     tr = at.trainer
     rec = {"batches": [], "adv": [], "killed": None, "lags": []}
-    learn, policy_update, critic_phase = tr.learn, tr._policy_update, tr._critic_phase
+    learn, policy_step, critic_update = tr.learn, updates.policy_step, updates.critic_update
 
     def spy_learn(trajs):
         v = tr.policy_version
@@ -410,20 +411,22 @@ def async_run(ray_session, tmp_path_factory):
             rec["killed"] = prog[0]
         return learn(trajs)
 
-    def spy_critic_phase(batch, *args, **kwargs):
+    def spy_critic_update(st, batch, *args, **kwargs):
         rec["values_before"] = _critic_values(tr, batch)
-        return critic_phase(batch, *args, **kwargs)
+        return critic_update(st, batch, *args, **kwargs)
 
-    def spy_policy_update(batch, advantages, *args, **kwargs):
-        exp, values, tok_r, boot = _expected_advantages(tr, batch, rec.pop("values_before"))
-        rec["adv"].append((advantages.detach().clone(), exp, values, tok_r, boot, batch))
-        return policy_update(batch, advantages, *args, **kwargs)
+    def spy_policy_step(st, step):
+        exp, values, tok_r, boot = _expected_advantages(tr, step.batch, rec.pop("values_before"))
+        rec["adv"].append((step.advantages.detach().clone(), exp, values, tok_r, boot, step.batch))
+        return policy_step(st, step)
 
     tr.learn = spy_learn
-    tr._policy_update = spy_policy_update
-    tr._critic_phase = spy_critic_phase
+    updates.policy_step, updates.critic_update = spy_policy_step, spy_critic_update
     t0 = time.perf_counter()
-    summary = at.run()
+    try:
+        summary = at.run()
+    finally:
+        updates.policy_step, updates.critic_update = policy_step, critic_update
     rec["seconds"] = time.perf_counter() - t0
     state = load_async_state(latest_checkpoint(run_dir))
     return at, summary, rec, run_dir, state
@@ -546,9 +549,9 @@ def test_ray_learners_use_the_trainers_public_interface_and_no_recipe_names():
     import trajgrad.train as train_pkg
     from trajgrad.objective import RECIPES
     from trajgrad.registry import ADVANTAGE_ESTIMATORS, POLICY_TERMS
-    from trajgrad.train import grouped, ray_learner, sao
+    from trajgrad.train import async_trainer, grouped, ray_learner
 
-    for mod in (ray_learner, sao, grouped):
+    for mod in (ray_learner, async_trainer, grouped):
         for n in ast.walk(ast.parse(inspect.getsource(mod))):
             if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
                 base = n.value

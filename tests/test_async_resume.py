@@ -44,7 +44,7 @@ _CHILD = textwrap.dedent(
     """
     import sys, time
     from trajgrad.train import checkpoint_files as F, run
-    from trajgrad.train.sao import AsyncTrainer
+    from trajgrad.train.async_trainer import AsyncTrainer
     from trajgrad.train.trainer import Trainer
 
     mode, run_dir, config, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

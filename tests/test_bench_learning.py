@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trajgrad.train.config import load_config
-from trajgrad.train.stats import mcnemar_exact_test, wilson_interval
+from trajgrad.stats import mcnemar_exact_test, wilson_interval
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "bench_learning.py"
 _spec = importlib.util.spec_from_file_location("bench_learning", _PATH)

@@ -19,6 +19,7 @@ from _tiny_models import family_model, family_tokenizer, save_family_checkpoint 
 from trajgrad.model.learner import learner_logprobs  # noqa: E402
 from trajgrad.model.value_head import CriticModel  # noqa: E402
 from trajgrad.rollout import collate  # noqa: E402
+from trajgrad.train import updates  # noqa: E402
 from trajgrad.weights import ReferenceModel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,7 +99,7 @@ def test_reference_from_a_path_is_the_frozen_checkpoint_and_trains_two_steps(ckp
     direct, _ = build_model(path=ckpts["other"], dtype="float32")
     want = learner_logprobs(direct, batch.input_ids, batch.attention_mask, batch.action_mask,
                             temperature=tr.learner.temperature).logp
-    got = tr._reference_logprobs(batch)
+    got = updates.reference_logprobs(tr.learner, batch)
     m = batch.action_mask.bool()
     assert m.any() and torch.allclose(got[m], want[m], atol=1e-6, rtol=0)
 

@@ -9,7 +9,7 @@ import torch
 
 from trajgrad.objective import RECIPES
 from trajgrad.rollout import collate
-from trajgrad.train import updates
+from trajgrad.train import update_metrics, updates
 from trajgrad.train.config import build_config, load_config, parse_overrides
 from trajgrad.train.metrics import read_metrics
 from trajgrad.train.trainer import Trainer
@@ -237,7 +237,7 @@ def test_per_turn_metrics_restrict_the_step_metric_to_each_turns_tokens():
     tgt = torch.where(mask, tgt, torch.full_like(tgt, float("inf")))
     obj = RECIPES["grpo"].replace(rollout_correction={"kind": "tis", "cap": 1.3})
     batch = SimpleNamespace(action_mask=mask, turn_ids=turn_ids)
-    m = updates.correction_metrics(obj, batch, beh, tgt)
+    m = update_metrics.correction_metrics(obj, batch, beh, tgt)
     z = torch.where(mask, tgt - beh, 0.0)
     w = torch.exp(torch.clamp(z, max=math.log(1.3)))
     for k in torch.unique(turn_ids[mask]).tolist():

@@ -9,7 +9,7 @@ import torch
 from trajgrad.logprobs.correction import rollout_correction, turn_metrics
 from trajgrad.turn_stats import group_stats, mismatch_by_turn
 from trajgrad.objective import RECIPES
-from trajgrad.train import updates
+from trajgrad.train import update_metrics
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -90,7 +90,7 @@ def test_truncated_fraction_per_turn_and_through_the_trainer_helper():
         assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     assert got["correction/turn1/truncated_frac"] == pytest.approx(2 / 4)  # (0,4) .3, (0,5) 2; not (1,4) −1, (1,5) .15
     obj = RECIPES["grpo"].replace(rollout_correction={"kind": "tis", "cap": cap})
-    m = updates.correction_metrics(obj, SimpleNamespace(action_mask=MASK, turn_ids=TURN), BEH, TGT)
+    m = update_metrics.correction_metrics(obj, SimpleNamespace(action_mask=MASK, turn_ids=TURN), BEH, TGT)
     for k, v in want.items():
         assert m[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     assert m["correction/truncated_frac"] == pytest.approx(sum(map(sum, trunc)) / int(MASK.sum()))

@@ -225,10 +225,10 @@ def _dpo_seq_logp(policy: Policy, seqs: list) -> torch.Tensor:
 
 def _dpo_grad(pairs: list, num_pairs: int, scheme: str) -> torch.Tensor:
     """This rank's DPO gradient after the sum over ranks. ``scheme="global"``: the trainer's
-    share (local sum / global pair count, :func:`trajgrad.train.updates.dpo_pair_loss`);
+    share (local sum / global pair count, :func:`trajgrad.train.offline.dpo_pair_loss`);
     ``"per_rank_mean"``: the previous per-rank mean divided by the world size."""
     from trajgrad.objective import RECIPES
-    from trajgrad.train.updates import dpo_pair_loss
+    from trajgrad.train.offline import dpo_pair_loss
 
     obj = RECIPES["dpo"]
     policy = Policy()
@@ -461,7 +461,7 @@ def test_dpo_with_unequal_shards_equals_the_single_process_gradient(job, split):
 def test_dpo_pair_loss_is_the_mean_over_pairs_in_one_process():
     from trajgrad.losses import dpo_loss
     from trajgrad.objective import RECIPES
-    from trajgrad.train.updates import dpo_pair_loss
+    from trajgrad.train.offline import dpo_pair_loss
 
     g = torch.Generator().manual_seed(3)
     pc, pr, rc, rr = (torch.randn(4, generator=g, dtype=torch.float64) for _ in range(4))

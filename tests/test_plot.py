@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from trajgrad.train import plot as plotmod
+from trajgrad.view import plot as plotmod
 from trajgrad.train.metrics import METRICS_FILE, MetricsLogger
-from trajgrad.train.plot import plot_compare, plot_run
+from trajgrad.view.plot import plot_compare, plot_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

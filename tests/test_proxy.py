@@ -16,7 +16,7 @@ from trajgrad.model.learner import learner_logprobs
 from trajgrad.model.tiny import build_tiny_model
 from trajgrad.rollout import collate
 from trajgrad.train.config import load_config
-from trajgrad.train.proxy import ProxySampler
+from trajgrad.serve.proxy import ProxySampler
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ import pytest
 from trajgrad.envs.base import Task
 from trajgrad.model.tiny import build_tiny_model
 from trajgrad.train.config import load_config
-from trajgrad.train.proxy import ProxySampler
+from trajgrad.serve.proxy import ProxySampler
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")

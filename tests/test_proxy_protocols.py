@@ -14,7 +14,7 @@ from trajgrad.envs.base import Task
 from trajgrad.model.learner import learner_logprobs
 from trajgrad.model.tiny import build_tiny_model
 from trajgrad.rollout import collate
-from trajgrad.train.proxy import ProxySampler
+from trajgrad.serve.proxy import ProxySampler
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

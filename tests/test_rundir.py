@@ -74,19 +74,20 @@ _CHILD = textwrap.dedent(
             return orig_write(path, obj)
         F._write_torch = write
     elif mode in ("sft", "eval_after"):
+        from trajgrad.train import trainer as T
         from trajgrad.train.trainer import Trainer
-        orig_demo, orig_eval = Trainer._demo_batch, Trainer.evaluate
+        orig_demo, orig_eval = T.demo_batch, Trainer.evaluate
 
-        def demo(self, tasks):
+        def demo(*args):
             if mode == "sft" and hit():
                 die()
-            return orig_demo(self, tasks)
+            return orig_demo(*args)
 
         def evaluate(self, tag):
             if mode == "eval_after" and tag == "after":
                 die()
             return orig_eval(self, tag)
-        Trainer._demo_batch, Trainer.evaluate = demo, evaluate
+        T.demo_batch, Trainer.evaluate = demo, evaluate
     from trajgrad.cli import main
     sys.argv = ["trajgrad", "train", *sys.argv[3:]]
     main()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajgrad.train.stats import (
+from trajgrad.stats import (
     mcnemar_exact_test,
     mean_ci,
     normal_quantile,

@@ -14,7 +14,9 @@ import yaml
 
 from trajgrad.objective import RECIPES
 from trajgrad.rollout import read_trajectories
+from trajgrad.train import updates
 from trajgrad.train.config import build_config, load_config
+from trajgrad.train.demos import demo_batch
 from trajgrad.train.metrics import read_metrics
 from trajgrad.train.trainer import Trainer
 
@@ -218,8 +220,8 @@ def test_reference_is_the_policy_when_rl_starts(tmp_path, lora):
     ref = dict(zip(tr.reference.names, tr.reference.weights))
     assert set(ref) == set(initial)
     assert any(not torch.equal(ref[n], initial[n]) for n in ref)  # SFT moved them: the snapshot is post-SFT
-    batch = tr._demo_batch(tr.train_tasks[:3])
-    ref_logp = tr._reference_logprobs(batch)
+    batch = demo_batch(tr.tokenizer, tr.source, tr.train_tasks[:3], tr.pad_id)
+    ref_logp = updates.reference_logprobs(tr.learner, batch)
     with torch.no_grad():  # move the policy: pi_ref must not follow
         gen = torch.Generator().manual_seed(1)
         for p in tr.model.parameters():
@@ -228,12 +230,12 @@ def test_reference_is_the_policy_when_rl_starts(tmp_path, lora):
     live = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         with tr.reference.applied(tr.model):
-            inside = tr._logprobs(batch).logp
+            inside = updates.logprobs(tr.learner, batch).logp
             assert all(torch.equal(p, ref[n]) for n, p in tr.model.named_parameters() if n in ref)
-        moved = tr._logprobs(batch).logp
+        moved = updates.logprobs(tr.learner, batch).logp
     assert all(torch.equal(p, live[n]) for n, p in tr.model.named_parameters() if n in live)  # restored
     torch.testing.assert_close(inside, ref_logp, rtol=0, atol=0)
-    torch.testing.assert_close(tr._reference_logprobs(batch), ref_logp, rtol=0, atol=0)
+    torch.testing.assert_close(updates.reference_logprobs(tr.learner, batch), ref_logp, rtol=0, atol=0)
     assert not torch.allclose(moved, ref_logp)
 
 
@@ -316,7 +318,7 @@ def test_critic_bootstraps_a_compacted_sub_trace_from_the_next_one(tmp_path):
     hidden = torch.randn(B, L, tr.value_head.net[0].in_features)
     tok_r = torch.zeros(B, L, dtype=torch.float64)
     tok_r[mask] = 0.3
-    adv, _ = tr._critic_phase(batch, hidden, tok_r)
+    adv, _ = updates.critic_update(tr.learner, batch, hidden, tok_r)
     with torch.no_grad():
         nv = tr.value_head(hidden).double()
     pos = torch.arange(L)[None].expand(B, L)
@@ -359,7 +361,7 @@ def test_one_demonstration_trajectory_feeds_sft_and_dpo(tmp_path):
     assert demos.demonstration_trajectory is chat.demonstration_trajectory
     tr = Trainer(micro_config("dpo"), tmp_path / "run", console=lambda *_: None)
     tasks = tr.train_tasks[:3]
-    batch = tr._demo_batch(tasks)
+    batch = demo_batch(tr.tokenizer, tr.source, tasks, tr.pad_id)
     expect = [chat.demonstration_trajectory(tr.tokenizer, tr.source, t) for t in tasks]
     assert batch.episode_ids == [t.episode_id for t in expect]
     assert (batch.policy_version[batch.action_mask] == -1).all()
@@ -376,13 +378,11 @@ def test_entropy_bonus_reaches_the_loss_with_its_gradient(tmp_path):
     """entropy_coef > 0: the policy loss gets the exact per-token entropy of the sampling
     distribution with its gradient, through the chunked head ([B, L, V] never held); value
     and gradient against the entropy of the full logits by autograd."""
-    from trajgrad.train import updates
-
     torch.manual_seed(0)
     cfg = micro_config("grpo", recipe={"name": "grpo", "overrides": {"entropy_coef": 0.05}}, sft={"steps": 0},
                        sampling={"temperature": 0.7, "max_new_tokens": 8})
     tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
-    batch = tr._demo_batch(tr.train_tasks[:1])
+    batch = demo_batch(tr.tokenizer, tr.source, tr.train_tasks[:1], tr.pad_id)
     mask = batch.action_mask
     params = [p for p in tr.model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)

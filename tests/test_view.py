@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from trajgrad.cli import app
 from trajgrad.objective import explain
 from trajgrad.rollout import Trajectory, TrajectoryLog, Turn, collate, read_trajectories
-from trajgrad.train import tokenlog
+from trajgrad.train import tokenlog, updates
 from trajgrad.train.config import build_config
 from trajgrad.train.trainer import Trainer
 from trajgrad.view import build_page, page_data, read_run, write_view
@@ -67,13 +67,13 @@ def _update_with_record(tmp_path, cfg, noise_old=0.4, noise_behaviour=0.0, seed=
     batch = collate(trajs, tr.pad_id)
     mask = batch.action_mask
     with torch.no_grad():
-        lp0 = tr._logprobs(batch).logp.double()
+        lp0 = updates.logprobs(tr.learner, batch).logp.double()
     g = torch.Generator().manual_seed(seed + 1)
     adv = torch.randn(len(batch), generator=g, dtype=torch.float64)
     old = torch.where(mask, lp0 + noise_old * torch.randn(lp0.shape, generator=g, dtype=torch.float64), 0.0)
     behaviour = torch.where(mask, old + noise_behaviour * torch.randn(lp0.shape, generator=g, dtype=torch.float64), 0.0)
     with tokenlog.recording(tr, batch) as rec:
-        tr._policy_update(batch, adv, old, None, behaviour=behaviour, behaviour_logp=behaviour)
+        updates.policy_update(tr.learner, batch, adv, old, None, behaviour=behaviour, behaviour_logp=behaviour)
     assert rec is not None
     lines = tokenlog.read_token_log(tmp_path / "run" / "tokens.jsonl")
     return tr, batch, lp0, adv, old, behaviour, lines

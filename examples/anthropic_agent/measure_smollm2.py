@@ -16,7 +16,7 @@ from calendar_tasks import CalendarTasks  # noqa: E402
 from trajgrad.model.build import build_model  # noqa: E402
 from trajgrad.model.learner import learner_logprobs  # noqa: E402
 from trajgrad.rollout import collate  # noqa: E402
-from trajgrad.train.proxy import ProxySampler  # noqa: E402
+from trajgrad.serve.proxy import ProxySampler  # noqa: E402
 
 model, tok = build_model("smollm2", dtype="float32")
 s = ProxySampler(model, tok, agent="calendar_tasks:episode", temperature=1.0, top_k=None, top_p=None,

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trajgrad.train.config import load_config, parse_overrides  # noqa: E402
-from trajgrad.train.stats import wilson_interval  # noqa: E402
+from trajgrad.stats import wilson_interval  # noqa: E402
 from trajgrad.train.trainer import Trainer  # noqa: E402
 
 

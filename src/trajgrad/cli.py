@@ -243,7 +243,7 @@ def doctor(
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.jsonl.")) -> None:
     """Write PNG learning curves of a run."""
-    from .train.plot import plot_run
+    from .view.plot import plot_run
 
     try:
         paths = plot_run(run_dir)

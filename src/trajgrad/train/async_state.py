@@ -1,6 +1,6 @@
 r"""What an asynchronous learner's checkpoint keeps besides the weights (§20, §16).
 
-A Ray learner (:class:`~trajgrad.train.sao.AsyncTrainer`,
+A Ray learner (:class:`~trajgrad.train.async_trainer.AsyncTrainer`,
 :class:`~trajgrad.train.grouped.GroupedRayTrainer`) writes one more file into every
 checkpoint directory, :data:`ASYNC_STATE_FILE`, through ``Trainer.save(files=...)``: it is
 written, checksummed and listed in the manifest with the weights, so a checkpoint holds it

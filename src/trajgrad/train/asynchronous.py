@@ -63,7 +63,7 @@ barrier), logs :math:`W` (:func:`group_wait`) and performs one update.
 Modules: :mod:`trajgrad.train.lag` (admission and lag, no Ray),
 :mod:`trajgrad.train.weight_store` (what a weight sync sends, the store actor),
 :mod:`trajgrad.train.workers` (rollout actors and their pool), :mod:`trajgrad.train.ray_learner`
-(the learners' shared frame), :mod:`trajgrad.train.sao` (:class:`AsyncTrainer`),
+(the learners' shared frame), :mod:`trajgrad.train.async_trainer` (:class:`AsyncTrainer`),
 :mod:`trajgrad.train.grouped` (:class:`GroupedRayTrainer`), :mod:`trajgrad.train.async_state`
 (what a checkpoint keeps besides the weights); this module gathers their names.
 
@@ -81,7 +81,7 @@ from .grouped import GroupedRayTrainer
 from .lag import Admitted, LagGate, group_wait, lag_histogram
 from .async_state import ASYNC_STATE_FILE
 from .ray_learner import RayLearner
-from .sao import AsyncTrainer
+from .async_trainer import AsyncTrainer
 from .weight_store import WeightStore, load_trainable_state, trainable_state
 from .workers import Job, RolloutPool, RolloutWorker
 

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from typing_extensions import Annotated
 
 from ..objective import Objective, get_recipe
@@ -152,7 +152,7 @@ class SamplingConfig(_Strict):
 
 
 class ProxyConfig(_Strict):
-    """``rollout.backend: proxy``: the agent run per episode against the served policy (trajgrad.train.proxy)."""
+    """``rollout.backend: proxy``: the agent run per episode against the served policy (trajgrad.serve.proxy)."""
 
     agent: Optional[str] = Field(None, description="a shell command (OPENAI_BASE_URL, TRAJGRAD_SESSION, TRAJGRAD_TASK "
                                  "in its environment) or 'package.module:function'")
@@ -241,7 +241,7 @@ class LoopConfig(_Strict):
         "vanishes with them, no KL or entropy term in the loss) run forward only, without a backward pass: the same "
         "update, metrics and logs; false differentiates every row")
     keep_freed_mb: int = Field(512, ge=0, description="MiB of freed memory the process keeps for the next step "
-                               "(glibc mallopt; train/allocator.py); 0 = the C library's defaults")
+                               "(glibc mallopt; runtime/allocator.py); 0 = the C library's defaults")
 
 
 class SFTConfig(_Strict):
@@ -384,8 +384,20 @@ class Config(_Strict):
     log: LogConfig = LogConfig()
     dist: DistConfig = DistConfig()
 
+    # the objective built from this config and the settings it was built from (Config.objective)
+    _built_objective: Optional[tuple] = PrivateAttr(default=None)
+
     def objective(self) -> Objective:
-        """The recipe with the config's overrides (group size from ``train.group_size``)."""
+        """The recipe with the config's overrides (group size from ``train.group_size``).
+
+        Built and checked once: the checks at load time, ``explain``, the trainer and the
+        asynchronous learners get the same :class:`Objective`; it is built again only when a
+        setting it reads (recipe name and overrides, group size, generation budget) changed.
+        """
+        inputs = (self.recipe.name, copy.deepcopy(self.recipe.overrides), self.train.group_size,
+                  self.sampling.max_new_tokens, _max_turns_hint(self))
+        if self._built_objective is not None and self._built_objective[0] == inputs:
+            return self._built_objective[1]
         overrides = dict(self.recipe.overrides)
         if self.train.group_size is not None:
             overrides["group_size"] = self.train.group_size
@@ -393,6 +405,7 @@ class Config(_Strict):
         if obj.aggregation == "seq_sum_constant" and "constant" not in self.recipe.overrides:
             # Dr. GRPO's constant: the generation budget of one episode.
             obj = obj.replace(constant=float(self.sampling.max_new_tokens * _max_turns_hint(self)))
+        self._built_objective = (inputs, obj)
         return obj
 
 

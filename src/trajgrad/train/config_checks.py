@@ -201,7 +201,7 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
                    "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
     if cfg.rollout.backend == "proxy":
-        from .proxy import check_proxy_config
+        from ..serve.proxy import check_proxy_config
 
         check_proxy_config(cfg, errors.add)
 

@@ -24,7 +24,7 @@ from .config import Config, load_config
 from .loop import progress_bar
 from .seeding import step_seed
 from .learning_signal import episode_rewards, signal_facts, signal_kind
-from .stats import mean_ci, wilson_interval
+from ..stats import mean_ci, wilson_interval
 
 DEFAULT_GROUPS = 16
 CHUNK_PROMPTS = 4  # prompts per batched rollout call: the budget is checked between calls

@@ -11,7 +11,7 @@ import torch
 from .. import distributed as dist_lib
 from ..rollout import HFSampler
 from .seeding import seed_everything, step_seed
-from .stats import wilson_interval
+from ..stats import wilson_interval
 
 
 @dataclass
@@ -25,7 +25,7 @@ class EvalResult:
     # several environments (tasks:): each one's own held-out result, by name; None with one task
     environments: Optional[Dict[str, Dict[str, float]]] = None
     # each held-out task's outcome (1 solved, 0 not), in the order of the held-out tasks: the
-    # pairs of a paired before/after test (trajgrad.train.stats.paired_counts); not in to_dict
+    # pairs of a paired before/after test (trajgrad.stats.paired_counts); not in to_dict
     outcomes: Optional[Tuple[int, ...]] = None
 
     def to_dict(self) -> Dict:

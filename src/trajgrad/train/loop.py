@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from ..stats import two_proportion_test
 from .evaluation import format_eval
 
 # live metrics on the progress bar: (metric key, label)
@@ -97,8 +98,6 @@ def end_of_step(trainer, metrics: Dict[str, float], save: Callable[[], object], 
 
 def eval_summary(trainer, summary: Dict, after) -> Optional[float]:
     """Add the before/after comparison to ``summary``; the two-proportion p-value."""
-    from .stats import two_proportion_test
-
     b = trainer.eval_before
     if b is None:
         return None

@@ -8,7 +8,7 @@
 ``time`` is the Unix time of the call; ``wall_time`` the seconds the run has been logging,
 summed over every process that appended to the file (it continues from the last kept
 record after a resume, so the time a job spent dead is not counted). It is the x-axis of
-equal-wall-clock comparisons (:func:`trajgrad.train.plot.plot_compare`).
+equal-wall-clock comparisons (:func:`trajgrad.view.plot.plot_compare`).
 
 Every line is flushed and ``fsync``-ed before :meth:`~MetricsLogger.log` returns, so a
 killed process loses at most the line being written. :attr:`MetricsLogger.offset` (the

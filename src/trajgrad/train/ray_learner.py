@@ -1,6 +1,6 @@
 """The learner side of the Ray runs: Ray session, weight store, worker pool, the run's frame.
 
-:class:`RayLearner` is what :class:`~trajgrad.train.sao.AsyncTrainer` and
+:class:`RayLearner` is what :class:`~trajgrad.train.async_trainer.AsyncTrainer` and
 :class:`~trajgrad.train.grouped.GroupedRayTrainer` share. It owns a
 :class:`~trajgrad.train.trainer.Trainer` (``self.trainer``) that performs every update
 (:meth:`Trainer.learn`) and goes through its public interface only: ``next_tasks``,

@@ -152,11 +152,11 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
 
     Either renders conversations with the model's chat template; ``rollout.template_mismatch``
     says what a template that re-renders the history differently does. A proxy agent's
-    output is kept in ``run_dir`` (:func:`~trajgrad.train.proxy.build_proxy_sampler`).
+    output is kept in ``run_dir`` (:func:`~trajgrad.serve.proxy.build_proxy_sampler`).
     """
     s = cfg.sampling
-    if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.train.proxy)
-        from .proxy import build_proxy_sampler
+    if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.serve.proxy)
+        from ..serve.proxy import build_proxy_sampler
 
         return build_proxy_sampler(cfg, model, tokenizer, policy_version, run_dir=run_dir)
     if cfg.rollout.backend == "openai":

@@ -51,7 +51,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-__all__ = ["TOKENS_FILE", "TokenLog", "StepRecord", "active", "recording", "read_token_log"]
+__all__ = ["TOKENS_FILE", "TokenLog", "StepRecord", "active", "finish", "recording", "read_token_log", "start"]
 
 TOKENS_FILE = "tokens.jsonl"
 _ACTIVE: contextvars.ContextVar[Optional["StepRecord"]] = contextvars.ContextVar("trajgrad_token_record",
@@ -272,23 +272,37 @@ def _trainer_log(trainer) -> Optional[TokenLog]:
     return log
 
 
-@contextlib.contextmanager
-def recording(trainer, batch) -> Iterator[Optional[StepRecord]]:
-    """Record the per-token values of the policy update run inside the block.
-
-    The update's step is ``trainer.step + 1`` (the number ``metrics.jsonl`` gives it) and the
-    learner's policy version ``trainer.policy_version`` (before the update). Does nothing when
-    ``log.token_log`` is off or the log is capped. The lines are written when the block exits
-    without an exception.
-    """
+def start(trainer, batch) -> Optional[StepRecord]:
+    """The record of the policy update about to run on ``batch``, or None when ``log.token_log``
+    is off or the log is capped. Its step is ``trainer.step + 1`` (the number ``metrics.jsonl``
+    gives it), its learner version ``trainer.policy_version`` (before the update)."""
     log = _trainer_log(trainer)
     if log is None or log.capped:
+        return None
+    return StepRecord(batch, step=trainer.step + 1, learner_version=trainer.policy_version)
+
+
+def finish(trainer, rec: Optional[StepRecord]) -> None:
+    """Append the lines of a finished update's record (nothing for None)."""
+    if rec is not None:
+        _trainer_log(trainer).write(rec.lines(trainer.learner.epochs_per_batch), rec.step)
+
+
+@contextlib.contextmanager
+def recording(trainer, batch) -> Iterator[Optional[StepRecord]]:
+    """Record the per-token values of the policy update run inside the block
+    (:func:`trajgrad.train.updates.policy_update` reads :func:`active`).
+
+    The record is that of :func:`start`; the lines are written (:func:`finish`) when the
+    block exits without an exception.
+    """
+    rec = start(trainer, batch)
+    if rec is None:
         yield None
         return
-    rec = StepRecord(batch, step=trainer.step + 1, learner_version=trainer.policy_version)
     token = _ACTIVE.set(rec)
     try:
         yield rec
     finally:
         _ACTIVE.reset(token)
-    log.write(rec.lines(trainer.learner.epochs_per_batch), rec.step)
+    finish(trainer, rec)

@@ -39,12 +39,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import distributed as dist_lib
-from ..aggregate import masked_mean
 from ..envs.mcp import mcp_metrics
-from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch, Trajectory, TrajectoryLog, collate
-from . import fsdp, loop, tokenlog, updates
+from . import fsdp, loop, offline, tokenlog, updates
 from .collect import collect_groups, next_in_order, task_in_order
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
@@ -55,7 +53,7 @@ from .mixture import Mixture
 from ..weights import ReferenceWeights
 from .rewards import batch_facts, invalid_action_facts, token_rewards, turn_rewards
 from .rundir import record_determinism
-from .allocator import keep_freed_memory
+from ..runtime.allocator import keep_freed_memory
 from .seeding import determinism_settings, format_determinism, seed_everything, step_seed
 from .setup import build_lagrange, build_learner, build_sampler, build_tasks, build_teacher
 from .learning_signal import NoSignalWatch, signal_facts
@@ -226,27 +224,6 @@ class Trainer:
         """Freeze pi_ref as the current policy (called when RL starts; a no-op once taken)."""
         updates.snapshot_reference(self.learner)
 
-    # the update steps' helpers under the names the tests and benchmarks use
-    def _micro_batches(self, B: int) -> List[List[int]]:
-        return updates.micro_batches(B, self.learner.micro_batch_size)
-
-    def _logprobs(self, batch: RolloutBatch, *, model=None, want_hidden=False, want_entropy=False):
-        return updates.logprobs(self.learner, batch, model=model, want_hidden=want_hidden, want_entropy=want_entropy)
-
-    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        return updates.reference_logprobs(self.learner, batch)
-
-    def _demo_batch(self, tasks) -> RolloutBatch:
-        return demo_batch(self.tokenizer, self.source, tasks, self.pad_id)
-
-    def _policy_update(self, batch, advantages, old_logp, ref_logp, *, behaviour=None,
-                       behaviour_logp=None) -> Dict[str, float]:
-        return updates.policy_update(self.learner, batch, advantages, old_logp, ref_logp, behaviour=behaviour,
-                                     behaviour_logp=behaviour_logp)
-
-    def _critic_phase(self, batch: RolloutBatch, hidden: torch.Tensor, tok_r: torch.Tensor):
-        return updates.critic_update(self.learner, batch, hidden, tok_r)
-
     # ------------------------------------------------------------------ rollouts
     def _collect(self) -> Tuple[List[Trajectory], Dict[str, float]]:
         """``prompts_per_step`` groups of ``G`` episodes (:func:`~trajgrad.train.collect.collect_groups`);
@@ -290,77 +267,97 @@ class Trainer:
         return dist_lib.mean_metrics_over_ranks(metrics)
 
     def learn(self, trajs: Sequence[Trajectory]) -> Dict[str, float]:
-        """One update from finished trajectories (used by the synchronous and asynchronous loops)."""
-        cfg, obj, st = self.cfg, self.objective, self.learner
+        """One update from finished trajectories (used by the synchronous and asynchronous loops).
+
+        Each numbered step is one call, its body in this module or in :mod:`trajgrad.train.updates`.
+        """
+        if self.objective.kind == "distill":  # on-policy distillation: the student's samples, the teacher's distribution
+            return self._learn_distill(trajs)
+        # 1. the batch, its rewards per turn (shaping §21, cost penalty §22) and its facts
+        batch, turn_r, metrics = self._batch(trajs)
+        # 2. log-probs under the current (= old) weights, the sampler's, the reference's (§7, §9)
+        logps = updates.old_logprobs(self.learner, batch, self.cfg.train.old_logp, metrics)
+        # 3. advantages: the group estimator, or GAE from the critic after its update (§20.4)
+        advantages = self._advantages(batch, trajs, turn_r, logps, metrics)
+        # 4. the step's micro-batches (rows without gradient last) and global denominator (§13)
+        step = self._prepare_policy_step(batch, advantages, logps)
+        # 5. the policy update: each micro-batch's loss and backward pass, one optimizer step (§13)
+        self._update_policy(step, metrics)
+        # 6. the cost constraint's multiplier, from this batch's mean cost (§22)
+        self._update_multiplier(metrics)
+        return metrics
+
+    def _batch(self, trajs: Sequence[Trajectory]) -> Tuple[RolloutBatch, torch.Tensor, Dict[str, float]]:
+        """The padded batch, its ``[B, T]`` rewards per turn and the metrics that describe it."""
         batch = collate(list(trajs), self.pad_id)
-        mask = batch.action_mask
-        metrics = {**batch_facts(batch), **invalid_action_facts(trajs), **signal_facts(obj, trajs)}
+        metrics = {**batch_facts(batch), **invalid_action_facts(trajs), **signal_facts(self.objective, trajs)}
         metrics.update(mcp_metrics(trajs))  # tools/mcp_calls, tools/mcp_error_frac/<reason> (MCP tools only)
         if self.mixture is not None:
             metrics.update(self.mixture.metrics(trajs))
-        turn_r, info = turn_rewards(batch, gamma=obj.gamma, shaping=cfg.task.shaping, lagrange=self.lagrange)
+        turn_r, info = turn_rewards(batch, gamma=self.objective.gamma, shaping=self.cfg.task.shaping,
+                                    lagrange=self.lagrange)
         metrics.update(info)
-        if obj.kind == "distill":  # on-policy distillation: the student's own samples, the teacher's distribution
-            t0 = time.perf_counter()
-            metrics.update(updates.distill_update(st, batch))
-            metrics["time/update"] = time.perf_counter() - t0
-            self._new_version()
-            metrics["policy_version"] = float(self.policy_version)
-            return metrics
+        return batch, turn_r, metrics
 
-        # 1. log-probs under the current (= old) weights, critic inputs, reference
-        t0 = time.perf_counter()
-        behaviour = batch.old_logp.double()
-        # "auto": a single on-policy epoch needs no separate pass: the update's own forward pass,
-        # detached, IS the recomputed log-prob under the current (= old) weights (ratio 1 exactly)
-        fused_old = (cfg.train.old_logp == "auto" and cfg.train.epochs_per_batch == 1 and not obj.critic
-                     and obj.ratio_source != "behaviour" and obj.kl_placement != "reward")
-        recomputed = hidden = None
-        if not fused_old:
-            with torch.no_grad():
-                outs = [self._logprobs(batch.select(i), want_hidden=obj.critic, want_entropy=True)
-                        for i in self._micro_batches(len(batch))]
-                recomputed = torch.cat([o.logp for o in outs], 0).double()
-                hidden = torch.cat([o.hidden for o in outs], 0) if obj.critic else None
-                entropy = torch.cat([o.entropy for o in outs], 0)
-            metrics.update(updates.sampler_learner_metrics(recomputed, behaviour, entropy, mask))
-        # the term takes its ratio against the log-probs it declares (Objective.ratio_source):
-        # the recomputed ones ("old"), or the sampler's ("behaviour", §20.2)
-        behaviour_logp = torch.where(mask, behaviour, 0.0)
-        old_logp = behaviour_logp if cfg.train.old_logp == "behaviour" else (None if fused_old else recomputed)
-        ref_logp = self._reference_logprobs(batch).double() if obj.kl_placement != "none" else None
-        if ref_logp is not None and recomputed is not None:
-            metrics["kl/k3_to_reference"] = float(masked_mean(kl_estimate(recomputed, ref_logp, mask, kind="k3"), mask))
-        metrics["time/logprob_recompute"] = time.perf_counter() - t0
-
-        # 2. advantages
-        kl_reward = ref_logp is not None and obj.kl_placement == "reward"
+    def _advantages(self, batch: RolloutBatch, trajs: Sequence[Trajectory], turn_r: torch.Tensor,
+                    logps: updates.StepLogprobs, metrics: Dict[str, float]) -> torch.Tensor:
+        """Critic recipes place each turn's reward on its last action token (:mod:`trajgrad.credit`),
+        update the critic and take its skip-observation GAE advantages
+        (:func:`~trajgrad.train.updates.critic_update`); group recipes take
+        :meth:`Objective.sequence_advantages` of the sequence rewards (per environment with
+        ``tasks:``). With ``kl_placement: reward`` the per-token KL leaves the reward first (§9)."""
+        obj, mask = self.objective, batch.action_mask
+        kl_reward = logps.reference is not None and obj.kl_placement == "reward"
         if obj.critic:
             tok_r = token_rewards(batch, turn_r)
             if kl_reward:
-                tok_r = tok_r - obj.kl_in_reward(recomputed, ref_logp, mask).double()
-            advantages, crit = self._critic_phase(batch, hidden, tok_r)
+                tok_r = tok_r - obj.kl_in_reward(logps.recomputed, logps.reference, mask).double()
+            advantages, crit = updates.critic_update(self.learner, batch, logps.hidden, tok_r)
             metrics.update(crit)
-        else:
-            seq_r = turn_r.sum(1)
-            if kl_reward:
-                seq_r = seq_r - obj.kl_in_reward(recomputed, ref_logp, mask).sum(1)
-            ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids) if self.mixture is None \
-                else self.mixture.sequence_advantages(seq_r, batch.group_ids, trajs, metrics)
-            advantages = ga.advantages.double()
-            zv = ga.zero_variance
-            metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
+            return advantages
+        seq_r = turn_r.sum(1)
+        if kl_reward:
+            seq_r = seq_r - obj.kl_in_reward(logps.recomputed, logps.reference, mask).sum(1)
+        ga = obj.sequence_advantages(seq_r, group_ids=batch.group_ids) if self.mixture is None \
+            else self.mixture.sequence_advantages(seq_r, batch.group_ids, trajs, metrics)
+        zv = ga.zero_variance
+        metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
+        return ga.advantages.double()
 
-        # 3. the policy update (none while the critic warms up)
-        t0 = time.perf_counter()
-        if not (obj.critic and self.step < cfg.critic.warmup_steps):
-            with tokenlog.recording(self, batch):  # tokens.jsonl for `trajgrad view`
-                metrics.update(self._policy_update(batch, advantages, old_logp, ref_logp, behaviour=behaviour,
-                                                   behaviour_logp=behaviour_logp))
+    def _prepare_policy_step(self, batch: RolloutBatch, advantages: torch.Tensor,
+                             logps: updates.StepLogprobs) -> Optional[updates.PolicyStep]:
+        """The policy step laid out (:func:`~trajgrad.train.updates.prepare_policy_step`), its
+        per-token record opened (``tokens.jsonl`` for ``trajgrad view``); None while the critic
+        warms up (``critic.warmup_steps``: no policy update)."""
+        if self.objective.critic and self.step < self.cfg.critic.warmup_steps:
+            return None
+        return updates.prepare_policy_step(self.learner, batch, advantages, logps.old, logps.reference,
+                                           behaviour=logps.behaviour, behaviour_logp=logps.behaviour_logp,
+                                           record=tokenlog.start(self, batch))
+
+    def _update_policy(self, step: Optional[updates.PolicyStep], metrics: Dict[str, float]) -> None:
+        """The policy update (:func:`~trajgrad.train.updates.policy_step`), its token-log lines
+        written, the new policy version published; ``time/update`` and ``policy_version``."""
+        t0 = time.perf_counter() if step is None else step.started
+        if step is not None:
+            metrics.update(updates.policy_step(self.learner, step))
+            tokenlog.finish(self, step.record)
             self._new_version()
         metrics["time/update"] = time.perf_counter() - t0
+        metrics["policy_version"] = float(self.policy_version)
+
+    def _update_multiplier(self, metrics: Dict[str, float]) -> None:
+        """The Lagrange multiplier of the cost constraint (``constraint:``), if any (§22)."""
         if self.lagrange is not None:
             self.lagrange.update(metrics["constraint/mean_cost"])
+
+    def _learn_distill(self, trajs: Sequence[Trajectory]) -> Dict[str, float]:
+        """One step of on-policy distillation (:func:`~trajgrad.train.updates.distill_update`, §14)."""
+        batch, _, metrics = self._batch(trajs)
+        t0 = time.perf_counter()
+        metrics.update(updates.distill_update(self.learner, batch))
+        metrics["time/update"] = time.perf_counter() - t0
+        self._new_version()
         metrics["policy_version"] = float(self.policy_version)
         return metrics
 
@@ -396,7 +393,8 @@ class Trainer:
         for s in range(start, steps):
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
             mine = dist_lib.shard(tasks, self.rank, self.world)
-            total = updates.sft_update(self.learner, model, opt, self._demo_batch(mine) if mine else None)
+            batch = demo_batch(self.tokenizer, self.source, mine, self.pad_id) if mine else None
+            total = offline.sft_update(self.learner, model, opt, batch)
             losses.append(total)
             if progress is not None:
                 progress(s, total)
@@ -421,7 +419,7 @@ class Trainer:
         self.cursor += 1
         chosen = collate([p[0] for p in mine], self.pad_id) if mine else None
         rejected = collate([p[1] for p in mine], self.pad_id) if mine else None
-        out = updates.dpo_update(self.learner, chosen, rejected, len(pairs))
+        out = offline.dpo_update(self.learner, chosen, rejected, len(pairs))
         self.policy_version += 1
         return out
 

@@ -6,19 +6,21 @@ forward, loss with the step's *global* denominator, backward; sum the gradients 
 the sum is the gradient of the whole batch's loss); clip; step. The steps:
 
 * :func:`policy_update`: the recipe's policy loss (:meth:`Objective.policy_loss`), for
-  ``epochs_per_batch`` epochs;
+  ``epochs_per_batch`` epochs: :func:`old_logprobs` (the log-probs it is taken against),
+  :func:`prepare_policy_step` (micro-batches and denominator, inputs checked once), then
+  :func:`policy_step` (the loop down to ``optimizer.step()``), the trainer's steps 2, 4, 5;
 * :func:`critic_update`: ``K`` value-loss steps on TD(λ) targets, then skip-observation
   GAE advantages from the updated critic (§20.3, §20.4; bootstrap values from
   :mod:`trajgrad.credit`);
-* :func:`distill_update`: on-policy distillation against the frozen teacher (§14);
-* :func:`dpo_update`: DPO on preference pairs, the pair count of the whole step as the
-  denominator (§10, §13);
-* :func:`sft_update`: masked negative log-likelihood on demonstrations.
+* :func:`distill_update`: on-policy distillation against the frozen teacher (§14).
 
-Nothing here samples, logs or checkpoints; the formulas are the core's.
+DPO and SFT, the steps on fixed data, are in :mod:`trajgrad.train.offline`; the metrics
+besides the loss in :mod:`trajgrad.train.update_metrics`. Nothing here samples, logs or
+checkpoints; the formulas are the core's.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -26,12 +28,11 @@ import torch
 
 from ..advantages import credit
 from .. import distributed as dist_lib
-from ..aggregate import Normalizer, aggregate, masked_mean
-from ..logprobs.correction import turn_metrics
+from ..aggregate import Normalizer, masked_mean
 from ..diagnostics import explained_variance
 from ..turn_stats import mismatch_by_turn
 from ..fused import fused_entropy, fused_token_logprobs
-from ..losses import kl_estimate, sequence_logp
+from ..losses import kl_estimate
 from ..objective import Objective
 from ..rollout import RolloutBatch
 from ..weights import ReferenceWeights
@@ -39,6 +40,7 @@ from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
 from . import fsdp, tokenlog
 from .checkpoint_state import entropy_coef_state, set_entropy_coef_state
+from .update_metrics import correction_metrics, sampler_learner_metrics
 
 
 @dataclass
@@ -127,11 +129,18 @@ def global_denominator(masks, mode: str, constant=None) -> torch.Tensor:
     return norm.denominator()
 
 
-def finish_step(params, optimizer: torch.optim.Optimizer, grad_clip: Optional[float]) -> Optional[float]:
+def finish_step(params, optimizer: torch.optim.Optimizer, grad_clip: Optional[float], *,
+                single_process: bool = False) -> Optional[float]:
     """Sum gradients over ranks, clip (returns the pre-clip norm), step. FSDP-sharded
-    parameters arrive summed by their reduce-scatter (:mod:`trajgrad.train.fsdp`)."""
-    fsdp.sync_gradients(params)
-    gn = fsdp.clip_grad_norm(params, grad_clip) if grad_clip else None
+    parameters arrive summed by their reduce-scatter (:mod:`trajgrad.train.fsdp`).
+    ``single_process``: the caller knows there is no rank to sum with and no sharded
+    parameter; the norm is then clipped by torch directly (the same numbers)."""
+    if single_process:
+        gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], grad_clip)) \
+            if grad_clip else None
+    else:
+        fsdp.sync_gradients(params)
+        gn = fsdp.clip_grad_norm(params, grad_clip) if grad_clip else None
     optimizer.step()
     return gn
 
@@ -218,57 +227,199 @@ def adapt_entropy_coef(st: LearnerState, obj: Objective, entropy_sum: float, tok
             "entropy_control/target": float(obj.entropy_target), "entropy_control/measured": float(measured)}
 
 
-def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, float]:
-    r"""Entropy, and how far the learner's log-probs are from the sampler's records (§7).
-
-    ``mismatch/kl_k1`` and ``mismatch/kl_k3`` are the sampled estimates of
-    :math:`\mathrm{KL}(\mu\Vert\pi)` on the tokens the sampler drew (:math:`-z` and
-    :math:`e^z-1-z`, :math:`z=\log\pi-\log\mu`), the quantities the rollout correction
-    reports as ``correction/kl/*``, logged with the correction off too.
-    """
-    m = {"entropy": float(masked_mean(entropy.double(), mask))}
-    m["mismatch/k3_learner_vs_sampler"] = float(masked_mean(kl_estimate(learner, behaviour, mask, kind="k3"), mask))
-    z = torch.where(mask, learner.double() - torch.nan_to_num(behaviour.double()), torch.zeros_like(learner.double()))
-    m["mismatch/kl_k1"] = float(masked_mean(-z, mask))
-    m["mismatch/kl_k3"] = float(masked_mean(torch.expm1(z) - z, mask))
-    diff = torch.where(mask, (learner - torch.nan_to_num(behaviour)).abs(), torch.zeros_like(learner))
-    m["mismatch/max_abs_log_ratio"] = float(diff.max()) if diff.numel() else 0.0
-    return m
-
-
-def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torch.Tensor, target_logp: torch.Tensor,
-                       advantages: Optional[torch.Tensor] = None) -> Dict[str, float]:
-    r"""The recipe's rollout-correction metrics over the whole batch, and per turn (§7, §16).
-
-    The correction (:meth:`RolloutCorrection.__call__`) is computed once on the whole batch,
-    from ``behaviour_logp`` :math:`\log\mu` and ``target_logp`` (:math:`\log\pi_{old}` in
-    ``"decoupled"`` mode, the current :math:`\log\pi_\theta` in ``"bypass"``), so the
-    sequence-level weights and the min / max / effective sample size are those of the step,
-    not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
-    turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
-    turn's action tokens (:func:`trajgrad.correction.turn_metrics`):
-    ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the turn's tokens),
-    ``kept_frac``, ``dropped_frac``, and each reason separately: ``truncated_frac``,
-    ``masked_frac``, ``rejected_frac``, ``seq_masked_frac``; ``kl/k1`` and ``kl/k3`` (of
-    :math:`\mathrm{KL}(\mu\Vert\pi)`). Everything is detached.
-    """
-    rc = obj.rollout_correction
-    mask = batch.action_mask.bool()
-    with torch.no_grad():
-        beh = torch.where(mask, behaviour_logp.detach().double(), 0.0)
-        tgt = torch.where(mask, target_logp.detach().double(), 0.0)
-        adv = None if rc.seq_mask_delta is None else advantages
-        corr = rc(beh, tgt, mask, advantages=adv)
-        out = {k: float(v) for k, v in corr.metrics.items()}
-        out.update(turn_metrics(corr, beh, tgt, mask, batch.turn_ids))
-    return out
-
-
 # ---------------------------------------------------------------------- policy
+@dataclass
+class StepLogprobs:
+    """The log-probs a policy update is taken against (:func:`old_logprobs`), ``[B, L]`` float64.
+
+    ``behaviour``: the sampler's raw records (§7); ``behaviour_logp``: the same, 0 off the
+    action tokens; ``old``: the ratio's old log-probs (the recomputed ones, or the sampler's
+    with ``train.old_logp: behaviour``), None when the update's own detached forward pass is
+    the old one (one on-policy epoch); ``recomputed``: the no-grad pass under the current
+    weights (None when skipped); ``hidden``: its last hidden states (critic recipes);
+    ``reference``: :math:`\\log\\pi_{ref}` (None without a KL term).
+    """
+
+    behaviour: torch.Tensor
+    behaviour_logp: torch.Tensor
+    old: Optional[torch.Tensor]
+    recomputed: Optional[torch.Tensor]
+    hidden: Optional[torch.Tensor]
+    reference: Optional[torch.Tensor]
+
+
+def old_logprobs(st: LearnerState, batch: RolloutBatch, mode: str, metrics: Dict[str, float]) -> StepLogprobs:
+    """The log-probs under the current (= old) weights, the sampler's and the reference's.
+
+    ``mode`` is ``train.old_logp``. ``"auto"`` with a single on-policy epoch needs no separate
+    pass: the update's own forward pass, detached, IS the recomputed log-prob under the
+    current (= old) weights (ratio 1 exactly); otherwise one no-grad pass per micro-batch
+    gives them, with the entropy and learner-vs-sampler metrics (§7). The term takes its ratio
+    against the log-probs it declares (:attr:`Objective.ratio_source`): the recomputed ones
+    (``"old"``), or the sampler's (``"behaviour"``, §20.2). Logs ``kl/k3_to_reference`` and
+    ``time/logprob_recompute`` into ``metrics``.
+    """
+    obj = st.objective
+    t0 = time.perf_counter()
+    mask = batch.action_mask
+    behaviour = batch.old_logp.double()
+    fused_old = (mode == "auto" and st.epochs_per_batch == 1 and not obj.critic
+                 and obj.ratio_source != "behaviour" and obj.kl_placement != "reward")
+    recomputed = hidden = None
+    if not fused_old:
+        with torch.no_grad():
+            outs = [logprobs(st, batch.select(i), want_hidden=obj.critic, want_entropy=True)
+                    for i in micro_batches(len(batch), st.micro_batch_size)]
+            recomputed = torch.cat([o.logp for o in outs], 0).double()
+            hidden = torch.cat([o.hidden for o in outs], 0) if obj.critic else None
+            entropy = torch.cat([o.entropy for o in outs], 0)
+        metrics.update(sampler_learner_metrics(recomputed, behaviour, entropy, mask))
+    behaviour_logp = torch.where(mask, behaviour, 0.0)
+    old = behaviour_logp if mode == "behaviour" else (None if fused_old else recomputed)
+    ref_logp = reference_logprobs(st, batch).double() if obj.kl_placement != "none" else None
+    if ref_logp is not None and recomputed is not None:
+        metrics["kl/k3_to_reference"] = float(masked_mean(kl_estimate(recomputed, ref_logp, mask, kind="k3"), mask))
+    metrics["time/logprob_recompute"] = time.perf_counter() - t0
+    return StepLogprobs(behaviour, behaviour_logp, old, recomputed, hidden, ref_logp)
+
+
+@dataclass
+class PolicyStep:
+    """Everything one policy update reads, prepared by :func:`prepare_policy_step`.
+
+    ``objective``: the step's recipe (:func:`step_objective`); ``rows`` / ``micro``: each
+    micro-batch's row indices and the micro-batch itself, the first ``n_graded`` of them
+    differentiated (:func:`forward_only_plan`); ``denominator``: the step's global one (§13);
+    ``single_process``: no rank to sum gradients with and no sharded parameter
+    (:func:`finish_step`); ``record``: the per-token record (:mod:`trajgrad.train.tokenlog`)
+    or None; ``started``: when the update began (``time/update`` counts from here).
+    """
+
+    objective: Objective
+    batch: RolloutBatch
+    advantages: torch.Tensor
+    old_logp: Optional[torch.Tensor]
+    ref_logp: Optional[torch.Tensor]
+    behaviour: Optional[torch.Tensor]
+    behaviour_logp: Optional[torch.Tensor]
+    rows: List[List[int]]
+    micro: List[RolloutBatch]
+    n_graded: int
+    denominator: torch.Tensor
+    adaptive: bool
+    single_process: bool
+    record: Optional[tokenlog.StepRecord]
+    started: float
+
+
+def prepare_policy_step(st: LearnerState, batch: RolloutBatch, advantages: torch.Tensor,
+                        old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor], *,
+                        behaviour: Optional[torch.Tensor] = None, behaviour_logp: Optional[torch.Tensor] = None,
+                        record: Optional[tokenlog.StepRecord] = None) -> PolicyStep:
+    """Check the step's inputs once and lay it out: the step's recipe, its micro-batches (rows
+    with zero loss and gradient last, forward only), its global denominator (§13). The
+    arguments are those of :func:`policy_update`."""
+    started = time.perf_counter()
+    obj = step_objective(st)
+    mask = batch.action_mask
+    if old_logp is None and st.epochs_per_batch != 1:
+        raise ValueError("old_logp: required when epochs_per_batch > 1")
+    adaptive = obj.adaptive_entropy
+    if adaptive and (st.top_k is not None or (st.top_p is not None and st.top_p < 1.0)):
+        raise ValueError("entropy_target: the entropy is measured for sampling without top_k/top_p "
+                         f"(got top_k={st.top_k}, top_p={st.top_p})")
+    mbs, n_graded = forward_only_plan(st, obj, advantages, mask)
+    den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
+    if obj.rollout_correction and behaviour_logp is None:
+        raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
+    return PolicyStep(obj, batch, advantages, old_logp, ref_logp, behaviour, behaviour_logp, mbs,
+                      [batch.select(idx) for idx in mbs], n_graded, den, adaptive,
+                      not (dist_lib.is_distributed() or fsdp.active()), record, started)
+
+
+def policy_step(st: LearnerState, step: PolicyStep) -> Dict[str, float]:
+    """``epochs_per_batch`` optimizer steps of the recipe's policy loss (see :func:`policy_update`).
+
+    For each epoch: zero the gradients; for each micro-batch, the log-probs (with the entropy
+    when the loss or the record needs it), the loss with the step's global denominator,
+    backward (forward only for the rows without gradient); then one optimizer step. The
+    per-token record of each micro-batch is taken after the step (the step leaves the
+    log-probs' gradients as they are).
+    """
+    obj, batch, advantages = step.objective, step.batch, step.advantages
+    old_logp, ref_logp, behaviour_logp = step.old_logp, step.ref_logp, step.behaviour_logp
+    mask, mbs, rec, adaptive = batch.action_mask, step.rows, step.record, step.adaptive
+    params = st.trainable()
+    with_entropy = obj.entropy_coef > 0
+    ent_sum = 0.0  # the first epoch's entropy over the action tokens (adaptive entropy control)
+    seen_logp, seen_ent, first_logp = [], [], []
+    acc = TokenWeightedMetrics(mask.sum() * st.epochs_per_batch)  # a mean over micro-batches and epochs
+    loss_total, grad_norm = 0.0, None
+    for _epoch in range(st.epochs_per_batch):
+        st.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        recorded = []
+        for k, (idx, mb) in enumerate(zip(mbs, step.micro)):
+            first = old_logp is None
+            graded = k < step.n_graded  # the rest are rows with zero loss and gradient: forward only
+            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
+                if with_entropy:
+                    lp, ent = logprobs_with_entropy(st, mb)
+                else:
+                    out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
+                    lp, ent = out.logp.double(), out.entropy
+            if adaptive and _epoch == 0:
+                ent_sum += float(torch.where(mb.action_mask.bool(), ent.detach().double(), 0.0).sum())
+            if first:
+                seen_logp.append(lp.detach())
+                seen_ent.append(ent.detach())
+            if _epoch == 0:
+                first_logp.append(lp.detach())
+            old_mb = lp.detach() if old_logp is None else old_logp[idx]
+            beh_mb = None if behaviour_logp is None else behaviour_logp[idx]
+            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
+                res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb, behaviour_logp=beh_mb,
+                                      ref_logp=None if ref_logp is None else ref_logp[idx],
+                                      entropy=ent if with_entropy else None, denominator=step.denominator)
+            if rec is not None and lp.requires_grad:
+                lp.retain_grad()
+            if graded:
+                res.loss.backward()
+            if rec is not None:
+                recorded.append((mb, idx, lp, ent, advantages[idx], old_mb, beh_mb))
+            loss_total += float(res.loss.detach())
+            acc.add(res.metrics, mb.action_mask.sum())
+        grad_norm = finish_step(params, st.optimizer, st.grad_clip, single_process=step.single_process)
+        for mb, idx, lp, ent, adv_mb, old_mb, beh_mb in recorded:
+            rec.add(obj, mb, idx, lp, ent, adv_mb, old_mb, beh_mb, epoch=_epoch)
+        if grad_norm is not None:
+            acc.values["grad_norm"] = grad_norm
+    metrics = acc.values
+    metrics["loss"] = loss_total
+    metrics["update/forward_only_frac"] = sum(len(i) for i in mbs[step.n_graded:]) / max(len(batch), 1)
+    if adaptive:
+        metrics.update(adapt_entropy_coef(st, obj, ent_sum, float(mask.sum())))
+    rc = obj.rollout_correction
+    if rc:
+        # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
+        target = old_logp if (old_logp is not None and rc.mode == "decoupled") else in_batch_order(first_logp, mbs)
+        metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
+    behaviour = step.behaviour
+    if behaviour is not None and first_logp:
+        # the first epoch's log-probs are those of the weights before the step (pi_old)
+        metrics.update(mismatch_by_turn(in_batch_order(first_logp, mbs), behaviour, mask, batch.turn_ids))
+    if seen_logp and behaviour is not None:
+        metrics.update(sampler_learner_metrics(in_batch_order(seen_logp, mbs), behaviour,
+                                               in_batch_order(seen_ent, mbs), mask))
+    return metrics
+
+
 def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tensor, old_logp: Optional[torch.Tensor],
                   ref_logp: Optional[torch.Tensor], *, behaviour: Optional[torch.Tensor] = None,
                   behaviour_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
-    """``epochs_per_batch`` optimizer steps of the recipe's policy loss on one batch.
+    """``epochs_per_batch`` optimizer steps of the recipe's policy loss on one batch
+    (:func:`prepare_policy_step`, then :func:`policy_step`; recorded into the token log of
+    :func:`trajgrad.train.tokenlog.recording` when one is open).
 
     ``old_logp=None``: one on-policy epoch; each micro-batch's own detached log-probs are
     the old log-probs (the numbers a separate no-grad pass would give, ratio 1 exactly).
@@ -295,80 +446,8 @@ def policy_update(st: LearnerState, batch: RolloutBatch, advantages: torch.Tenso
     and per-token log, without their backward pass. ``update/forward_only_frac`` is the
     fraction of rows run so.
     """
-    obj = step_objective(st)
-    mask = batch.action_mask
-    if old_logp is None and st.epochs_per_batch != 1:
-        raise ValueError("old_logp: required when epochs_per_batch > 1")
-    adaptive = obj.adaptive_entropy
-    if adaptive and (st.top_k is not None or (st.top_p is not None and st.top_p < 1.0)):
-        raise ValueError("entropy_target: the entropy is measured for sampling without top_k/top_p "
-                         f"(got top_k={st.top_k}, top_p={st.top_p})")
-    mbs, n_graded = forward_only_plan(st, obj, advantages, mask)
-    den = global_denominator([mask[i] for i in mbs], obj.aggregation, constant=obj.constant)
-    params = st.trainable()
-    with_entropy = obj.entropy_coef > 0
-    ent_sum = 0.0  # the first epoch's entropy over the action tokens (adaptive entropy control)
-    rc = obj.rollout_correction
-    if rc and behaviour_logp is None:
-        raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
-    seen_logp, seen_ent, first_logp = [], [], []
-    acc = TokenWeightedMetrics(mask.sum() * st.epochs_per_batch)  # a mean over micro-batches and epochs
-    loss_total, grad_norm = 0.0, None
-    rec = tokenlog.active()  # the per-token record of this update (trajgrad view), or None
-    for _epoch in range(st.epochs_per_batch):
-        st.optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        for k, idx in enumerate(mbs):
-            mb = batch.select(idx)
-            first = old_logp is None
-            graded = k < n_graded  # the rest are rows with zero loss and gradient: forward only
-            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
-                if with_entropy:
-                    lp, ent = logprobs_with_entropy(st, mb)
-                else:
-                    out = logprobs(st, mb, want_entropy=first or rec is not None or (adaptive and _epoch == 0))
-                    lp, ent = out.logp.double(), out.entropy
-            if adaptive and _epoch == 0:
-                ent_sum += float(torch.where(mb.action_mask.bool(), ent.detach().double(), 0.0).sum())
-            if first:
-                seen_logp.append(lp.detach())
-                seen_ent.append(ent.detach())
-            if _epoch == 0:
-                first_logp.append(lp.detach())
-            old_mb = lp.detach() if old_logp is None else old_logp[idx]
-            with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
-                res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb,
-                                      behaviour_logp=None if behaviour_logp is None else behaviour_logp[idx],
-                                      ref_logp=None if ref_logp is None else ref_logp[idx],
-                                      entropy=ent if with_entropy else None, denominator=den)
-            if rec is not None and lp.requires_grad:
-                lp.retain_grad()
-            if graded:
-                res.loss.backward()
-            if rec is not None:
-                rec.add(obj, mb, idx, lp, ent, advantages[idx], old_mb,
-                        None if behaviour_logp is None else behaviour_logp[idx], epoch=_epoch)
-            loss_total += float(res.loss.detach())
-            acc.add(res.metrics, mb.action_mask.sum())
-        grad_norm = finish_step(params, st.optimizer, st.grad_clip)
-        if grad_norm is not None:
-            acc.values["grad_norm"] = grad_norm
-    metrics = acc.values
-    metrics["loss"] = loss_total
-    metrics["update/forward_only_frac"] = sum(len(i) for i in mbs[n_graded:]) / max(len(batch), 1)
-    if adaptive:
-        metrics.update(adapt_entropy_coef(st, obj, ent_sum, float(mask.sum())))
-    if rc:
-        # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
-        target = old_logp if (old_logp is not None and rc.mode == "decoupled") else in_batch_order(first_logp, mbs)
-        metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
-    if behaviour is not None and first_logp:
-        # the first epoch's log-probs are those of the weights before the step (pi_old)
-        metrics.update(mismatch_by_turn(in_batch_order(first_logp, mbs), behaviour, mask, batch.turn_ids))
-    if seen_logp and behaviour is not None:
-        metrics.update(sampler_learner_metrics(in_batch_order(seen_logp, mbs), behaviour,
-                                               in_batch_order(seen_ent, mbs), mask))
-    return metrics
+    return policy_step(st, prepare_policy_step(st, batch, advantages, old_logp, ref_logp, behaviour=behaviour,
+                                               behaviour_logp=behaviour_logp, record=tokenlog.active()))
 
 
 # ---------------------------------------------------------------------- critic
@@ -437,75 +516,3 @@ def distill_update(st: LearnerState, batch: RolloutBatch) -> Dict[str, float]:
         metrics["grad_norm"] = gn
     metrics["loss"] = total
     return metrics
-
-
-# ---------------------------------------------------------------------- DPO
-def dpo_pair_loss(objective: Objective, chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp,
-                  num_pairs: int):
-    r"""This rank's share of the step's DPO loss: :math:`\frac1N\sum_{b\in\text{rank}}\ell_b`.
-
-    ``N`` (``num_pairs``) is the pair count of the whole step over every rank, so the sum
-    over ranks of these losses (and of their gradients) is the single-process loss on all
-    pairs (§13). :meth:`Objective.dpo_loss` returns the local mean
-    :math:`\frac1{B}\sum_b\ell_b`; it is rescaled by :math:`B/N` (exact: a finite factor).
-    Returns the local :class:`~trajgrad.types.LossResult` (its ``loss`` the local mean) and
-    the rescaled loss to backpropagate.
-    """
-    B = int(chosen_logp.shape[0])
-    if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < B or num_pairs < 1:
-        raise ValueError(f"num_pairs: expected an integer >= {max(B, 1)} (this rank's pairs), got {num_pairs!r}")
-    res = objective.dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)
-    return res, res.loss * (B / num_pairs)
-
-
-def dpo_update(st: LearnerState, chosen: Optional[RolloutBatch], rejected: Optional[RolloutBatch],
-               num_pairs: int) -> Dict[str, float]:
-    """One DPO step on this rank's pairs (``chosen``/``rejected`` None when it holds none:
-    it still takes part in the gradient sum); the denominator is ``num_pairs``, the step's
-    pair count over every rank (§13)."""
-    st.optimizer.zero_grad(set_to_none=True)
-    out: Dict[str, float] = {}
-    local = 0.0
-    if chosen is not None and len(chosen) > 0:
-        with torch.no_grad():
-            ref_c = sequence_logp(reference_logprobs(st, chosen).double(), chosen.action_mask)
-            ref_r = sequence_logp(reference_logprobs(st, rejected).double(), rejected.action_mask)
-        pc = sequence_logp(logprobs(st, chosen).logp.double(), chosen.action_mask)
-        pr = sequence_logp(logprobs(st, rejected).logp.double(), rejected.action_mask)
-        res, share = dpo_pair_loss(st.objective, pc, pr, ref_c, ref_r, num_pairs)
-        share.backward()
-        local = float(share.detach())
-        out.update({k: float(v.detach()) for k, v in res.metrics.items() if torch.is_tensor(v) and v.numel() == 1})
-    else:
-        snapshot_reference(st)
-    params = st.trainable()
-    finish_step(params, st.optimizer, st.grad_clip or 1e9)
-    # per-pair means over every rank's pairs; the loss is the sum of the ranks' shares
-    n_local = 0 if chosen is None else len(chosen)
-    out = dist_lib.mean_metrics_over_ranks(out, weight=n_local)
-    out["loss"] = dist_lib.sum_over_ranks(local)
-    return out
-
-
-# ---------------------------------------------------------------------- SFT
-def sft_update(st: LearnerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               batch: Optional[RolloutBatch]) -> float:
-    """One step of masked negative log-likelihood on demonstration tokens (token mean over
-    the step's tokens on every rank); returns this rank's share of the loss. ``batch=None``:
-    this rank holds no demonstration this step (it still takes part in the sums)."""
-    params = st.trainable(model)
-    optimizer.zero_grad(set_to_none=True)
-    if batch is None:
-        global_denominator([], "token_mean")  # the count's all-reduce, matched on every rank
-        finish_step(params, optimizer, 1.0)
-        return 0.0
-    mbs = micro_batches(len(batch), st.micro_batch_size)
-    den = global_denominator([batch.action_mask[i] for i in mbs], "token_mean")
-    total = 0.0
-    for idx in mbs:
-        mb = batch.select(idx)
-        loss = aggregate(-logprobs(st, mb, model=model).logp, mb.action_mask, "token_mean", denominator=den)
-        loss.backward()
-        total += float(loss.detach())
-    finish_step(params, optimizer, 1.0)
-    return total

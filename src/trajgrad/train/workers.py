@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..rollout import HFSampler
-from .allocator import keep_freed_memory
+from ..runtime.allocator import keep_freed_memory
 from .config import build_config
 from .seeding import step_seed as _step_seed
 from .weight_store import load_trainable_state

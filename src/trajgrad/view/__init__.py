@@ -5,7 +5,8 @@ over a run directory: the episode table, one trajectory's tokens coloured by a c
 channel, the learning curves and the exact objective. Modules: :mod:`.rundir` (reading the
 run directory), :mod:`.text` (token ids to text), :mod:`.pagedata` (the page's data and its
 caps), :mod:`.template` / :mod:`.script` (the page), :mod:`.server` (``--serve``, loopback
-only). See ``docs/view.md``.
+only). See ``docs/view.md``. :mod:`.plot` draws ``trajgrad plot``'s learning curves from the
+same run directories.
 """
 from __future__ import annotations
 

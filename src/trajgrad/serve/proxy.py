@@ -60,6 +60,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..rollout.chat import end_of_turn_id
 from ..rollout.trajectory import Trajectory
+from .app import create_app
+from .loopback import LoopbackServer
+from .sessions import Sessions
 
 __all__ = ["ProxySampler", "build_proxy_sampler", "check_proxy_config", "is_callable_spec", "load_agent"]
 
@@ -127,9 +130,6 @@ class ProxySampler:
                  reward_timeout_s: float = 300.0, concurrency: int = 8, model_name: str = "trajgrad-policy",
                  accept_any_model: bool = True, console: Callable[[str], None] = print,
                  output_log: Optional[str] = None):
-        from ..serve import create_app
-        from ..serve.sessions import Sessions
-
         if not isinstance(agent, str) or not agent.strip():
             raise ValueError("rollout.proxy.agent: expected a shell command or 'package.module:function'")
         if not (isinstance(reward_timeout_s, (int, float)) and math.isfinite(reward_timeout_s) and reward_timeout_s > 0):
@@ -184,8 +184,6 @@ class ProxySampler:
 
     def _serve(self):
         if self.server is None:
-            from ..serve.loopback import LoopbackServer
-
             self.server = LoopbackServer(self.app).start()
         return self.server
 

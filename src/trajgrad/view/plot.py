@@ -32,7 +32,7 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .metrics import RESERVED_KEYS, read_metrics
+from ..train.metrics import RESERVED_KEYS, read_metrics
 
 __all__ = ["plot_run", "plot_compare", "GROUPS"]
 
