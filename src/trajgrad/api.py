@@ -28,20 +28,18 @@ _PRESET_MODELS = ("tiny", "smollm2")
 
 
 def _env_name(env: Any) -> str:
-    from .envs.adapters import _is_task_source
-    from .envs.base import _REGISTRY, register_task_source
+    from .envs.adapters import as_task_source, is_task_source
+    from .envs.base import register_task_source, registered_task_source
 
     if isinstance(env, str):
         return env
-    is_source = _is_task_source(env) and not isinstance(env, type)
+    is_source = is_task_source(env) and not isinstance(env, type)
     if is_source or callable(env):
         name = f"py-{type(env).__name__ if is_source else getattr(env, '__name__', 'factory')}-{id(env):x}"
-        if name not in _REGISTRY:
+        if registered_task_source(name) is None:
             if is_source:
                 register_task_source(name)(lambda **kw: env if not kw else _no_options(name, kw))
             else:
-                from .envs.adapters import as_task_source
-
                 def factory(**kw):
                     adapter = kw.pop("adapter", None) or {}
                     return as_task_source(env(**kw), remake=lambda: env(**kw), **adapter)

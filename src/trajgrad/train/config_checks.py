@@ -321,7 +321,7 @@ def _build_source(cfg, errors: _Errors, fields: Dict[str, Any]):
 
 def _check_task(cfg, errors: _Errors) -> None:
     from ..envs import available_task_sources, get_task_source
-    from ..envs.base import _REGISTRY
+    from ..envs.base import registered_task_source
 
     if not _check_dataset_keys(cfg, errors):
         return
@@ -332,7 +332,7 @@ def _check_task(cfg, errors: _Errors) -> None:
             errors.add("task.name", f"unknown task source {name!r}; available: {', '.join(available_task_sources())}; "
                        "or 'package.module:factory'")
             return
-        options_class = getattr(_REGISTRY.get(name), "options_class", None)  # sources that need options
+        options_class = getattr(registered_task_source(name), "options_class", None)  # sources that need options
         if options_class is not None:
             fields = typing.get_type_hints(options_class)
         else:
