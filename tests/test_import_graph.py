@@ -54,7 +54,6 @@ CYCLE_EDGES_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.objective', 'trajgrad._objective_checks'): EST,
     ('trajgrad.objective', 'trajgrad.explain'): EST,
     ('trajgrad.objective', 'trajgrad.recipes'): EST,
-    ('trajgrad.train.config', 'trajgrad.train.config_checks'): HERE,
     ('trajgrad.peers', 'trajgrad.peers._cases'): HERE,
 }
 
@@ -91,21 +90,6 @@ PRIVATE_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.serve.chat', 'trajgrad.serve.completions._top_logprobs'): HERE,
     ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._finite'): HERE,
     ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._neutral'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._fsync_dir'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._replace'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._rmtree'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._write_bytes'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._write_safetensors'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files._write_torch'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state._capture_rng'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state._check_files'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state._collect'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state._dump_extra'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state._restore_rng'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.checkpoint_files._fsync_dir'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.checkpoint_files._replace'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.checkpoint_files._write_bytes'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.config._set_dotted'): HERE,
 }
 
 # (importer, imported module) imported inside a function of the importer.
@@ -165,20 +149,6 @@ FUNCTION_LEVEL_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.rollout.openai_backend', 'trajgrad.rollout.weight_sync'): HERE,
     ('trajgrad.rollout.vllm_sampler', 'trajgrad.rollout.generation'): HERE,
     ('trajgrad.rollout.vllm_sampler', 'trajgrad.rollout.weight_sync'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_files'): HERE,
-    ('trajgrad.train.checkpoint', 'trajgrad.train.checkpoint_state'): HERE,
-    ('trajgrad.train.config', 'trajgrad.train.config_checks'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.correction'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.envs'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.envs.base'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.envs.calculator'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.envs.latency'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.model.pretrained'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.objective'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.train.config'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.train.mixture_checks'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.train.proxy'): HERE,
-    ('trajgrad.train.config_checks', 'trajgrad.train.tracking'): HERE,
     ('trajgrad.train.config_reference', 'trajgrad.envs.adapters.gym'): HERE,
     ('trajgrad.train.config_reference', 'trajgrad.envs.adapters.verifiers'): HERE,
     ('trajgrad.train.config_reference', 'trajgrad.envs.calculator'): HERE,
@@ -199,9 +169,6 @@ FUNCTION_LEVEL_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.train.run', 'trajgrad.train.mixture'): HERE,
     ('trajgrad.train.run', 'trajgrad.train.rundir'): HERE,
     ('trajgrad.train.run', 'trajgrad.train.trainer'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.checkpoint_files'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.config'): HERE,
-    ('trajgrad.train.rundir', 'trajgrad.train.config_checks'): HERE,
     ('trajgrad.train.setup', 'trajgrad.envs'): HERE,
     ('trajgrad.train.setup', 'trajgrad.model.build'): HERE,
     ('trajgrad.train.setup', 'trajgrad.model.smollm2'): HERE,
@@ -318,7 +285,7 @@ class Scan:
             elif isinstance(node, ast.Attribute):
                 owner = _bound_module(node.value, bound, self.mods)
                 if owner is not None and f"{owner}.{node.attr}" not in self.mods and _private(node.attr):
-                    self._use(module, owner, node.attr, node.lineno, in_function)
+                    self._use(module, owner, node.attr, node.lineno, False)  # a use, not an import
 
     def _lazy_table(self, module: str, is_pkg: bool, tree: ast.Module) -> None:
         for node in tree.body:

@@ -65,7 +65,7 @@ _CHILD = textwrap.dedent(
             return orig_extend(self, trajs)
         TrajectoryLog.extend = extend
     elif mode == "ckpt":  # inside a checkpoint write: weights written, optimizer state not yet
-        import trajgrad.train.checkpoint_files as F
+        import trajgrad.train._checkpoint_files as F
         orig_write = F._write_torch
 
         def write(path, obj):
