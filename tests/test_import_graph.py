@@ -54,7 +54,6 @@ CYCLE_EDGES_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.objective', 'trajgrad._objective_checks'): EST,
     ('trajgrad.objective', 'trajgrad.explain'): EST,
     ('trajgrad.objective', 'trajgrad.recipes'): EST,
-    ('trajgrad.peers', 'trajgrad.peers._cases'): HERE,
 }
 
 # (importer, "module._name") taken across a module's public face.
@@ -86,7 +85,6 @@ PRIVATE_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.losses.ppo', 'trajgrad.diagnostics._log_bound'): EST,
     ('trajgrad.losses.sao', 'trajgrad.losses.ppo._clip_bounds'): EST,
     ('trajgrad.losses.sapo', 'trajgrad.diagnostics._fast_policy_metrics'): EST,
-    ('trajgrad.peers._compare', 'trajgrad.verify._common'): HERE,
     ('trajgrad.serve.chat', 'trajgrad.serve.completions._top_logprobs'): HERE,
     ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._finite'): HERE,
     ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._neutral'): HERE,
@@ -136,14 +134,6 @@ FUNCTION_LEVEL_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.objective', 'trajgrad._objective_checks'): EST,
     ('trajgrad.objective', 'trajgrad.entropy_control'): EST,
     ('trajgrad.objective', 'trajgrad.losses'): EST,
-    ('trajgrad.peers', 'trajgrad.objective'): HERE,
-    ('trajgrad.peers', 'trajgrad.peers._cases'): HERE,
-    ('trajgrad.peers', 'trajgrad.peers._compare'): HERE,
-    ('trajgrad.peers._cases', 'trajgrad.advantages'): HERE,
-    ('trajgrad.peers._cases', 'trajgrad.baselines'): HERE,
-    ('trajgrad.peers._cases', 'trajgrad.group_baselines'): HERE,
-    ('trajgrad.peers._compare', 'trajgrad.losses'): HERE,
-    ('trajgrad.peers.report', 'trajgrad.peers._cases'): HERE,
     ('trajgrad.rollout.chat', 'trajgrad.rollout.trajectory'): HERE,
     ('trajgrad.rollout.generation', 'trajgrad.logprobs'): HERE,
     ('trajgrad.rollout.openai_backend', 'trajgrad.rollout.weight_sync'): HERE,
