@@ -85,9 +85,6 @@ PRIVATE_ALLOWED: Dict[Tuple[str, str], str] = {
     ('trajgrad.losses.ppo', 'trajgrad.diagnostics._log_bound'): EST,
     ('trajgrad.losses.sao', 'trajgrad.losses.ppo._clip_bounds'): EST,
     ('trajgrad.losses.sapo', 'trajgrad.diagnostics._fast_policy_metrics'): EST,
-    ('trajgrad.serve.chat', 'trajgrad.serve.completions._top_logprobs'): HERE,
-    ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._finite'): HERE,
-    ('trajgrad.serve.chat_requests', 'trajgrad.serve.requests._neutral'): HERE,
 }
 
 # (importer, imported module) imported inside a function of the importer.
