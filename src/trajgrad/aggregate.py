@@ -45,38 +45,18 @@ result or its gradient.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Union
 
 import torch
 
 from . import _checks
-
-MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_constant", "token_sum")
+from ._aggregation import MODES, check_denominator, check_mode
 
 Number = Union[float, int, torch.Tensor]
 
-
-def _validate_mode(mode: str, constant: Optional[float]) -> None:
-    _checks.check_choice("mode", mode, MODES)
-    if constant is not None:
-        if mode != "seq_sum_constant":
-            raise ValueError(f"constant: only used by mode 'seq_sum_constant', got mode {mode!r}")
-        c = float(constant)
-        _checks.check_positive("constant", c)
-        if not math.isfinite(c):
-            raise ValueError(f"constant: must be finite, got {constant}")
-
-
-def _check_denominator(denominator, dtype, device) -> torch.Tensor:
-    d = torch.as_tensor(denominator, dtype=dtype, device=device)
-    if d.ndim != 0:
-        raise ValueError(f"denominator: must be a scalar, got shape {tuple(d.shape)}")
-    if not bool(d > 0):
-        raise ValueError(f"denominator: must be positive, got {d.item()}")
-    if not bool(torch.isfinite(d)):
-        raise ValueError(f"denominator: must be finite, got {d.item()}")
-    return d
+# the former private names, importable from here until the losses import them from trajgrad._aggregation
+_validate_mode = check_mode
+_check_denominator = check_denominator
 
 
 def local_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -118,7 +98,7 @@ def aggregate(
     _checks.check_ndim("per_token", per_token, 2)
     _checks.check_floating("per_token", per_token)
     mask = _checks.check_mask("mask", mask, per_token.shape)
-    _validate_mode(mode, constant)
+    check_mode(mode, constant)
     _checks.check_finite("per_token", per_token, mask)
     x = _checks.fill_masked(per_token, mask)
 
@@ -135,7 +115,7 @@ def aggregate(
     if denominator is None:
         d = local_count(mask, mode).to(x.dtype).clamp_min(1.0)
     else:
-        d = _check_denominator(denominator, x.dtype, x.device)
+        d = check_denominator(denominator, x.dtype, x.device)
     return numerator / d
 
 
@@ -176,7 +156,7 @@ class Normalizer:
         process_group=None,
         grad_average_over_ranks: Optional[bool] = None,
     ) -> None:
-        _validate_mode(mode, constant)
+        check_mode(mode, constant)
         self.mode = mode
         self.constant = constant
         self.process_group = process_group
