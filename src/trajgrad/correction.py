@@ -82,6 +82,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _checks
+from .turn_stats import group_stats
 
 KINDS = ("tis", "mis", "none")
 LEVELS = ("token", "sequence", "geometric")
@@ -400,8 +401,6 @@ def turn_metrics(corr: Correction, behaviour_logp: torch.Tensor, target_logp: to
       behaviour_logp, target_logp: ``[B, L]`` as given to :func:`rollout_correction`.
       mask: ``[B, L]`` action mask; turn_ids: ``[B, L]`` integer turn index of each token.
     """
-    from .turn_stats import group_stats
-
     mb = _checks.check_mask("mask", mask)
     if corr.drops is None:
         raise ValueError("corr: has no per-reason drop masks (build it with rollout_correction)")

@@ -38,7 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..baselines import GroupAdvantages
-from ..objective import Objective
+from ..envs import get_task_source
+from ..objective import Objective  # first: objective imports explain at its end (until that circle is gone)
+from ..explain import explain, sections  # noqa: I001
 from ..registry import ADVANTAGE_ESTIMATORS
 from .collect import STAT_KEYS, collect_groups, next_in_order
 from .heldout import distinct_tasks, heldout_problem
@@ -149,7 +151,6 @@ class Mixture:
         """None for a run with one ``task:``."""
         if cfg.tasks is None:
             return None
-        from ..envs import get_task_source
 
         members = []
         for i, entry in enumerate(cfg.tasks):
@@ -250,8 +251,6 @@ def explain_config(cfg) -> str:
     """``trajgrad explain CONFIG``: the config's objective; with ``tasks:`` the environments, then
     each part of the objective that differs between them per environment, then the parts they share
     (from the same :class:`~trajgrad.objective.Objective` objects the loss and advantages use)."""
-    from ..explain import explain, sections
-
     base = cfg.objective()
     if cfg.tasks is None:
         return explain(base)
