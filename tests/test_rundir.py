@@ -367,12 +367,12 @@ class _Boom(Exception):
 
 
 def _failing_trainer(monkeypatch):
-    import trajgrad.train.trainer as trainer_mod
+    import trajgrad.train.run as run_mod  # where run.main looks the trainer up
 
     def boom(*args, **kwargs):
         raise _Boom("the trainer could not start")
 
-    monkeypatch.setattr(trainer_mod, "Trainer", boom)
+    monkeypatch.setattr(run_mod, "Trainer", boom)
 
 
 def test_a_start_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):

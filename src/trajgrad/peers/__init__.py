@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ..objective import get_recipe
-from . import _cases, _compare
+from . import _cases, _compare, report, trl, verl
 from ._case import CaseResult, PeerCase
 
 OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns",

@@ -21,8 +21,7 @@ Models, tokenizers, the decode step and position ids are in :mod:`trajgrad.model
 Importing this package does not import ``transformers``; the model helpers import it
 when called.
 """
-import importlib
-
+from .._lazy import lazy_attributes
 from .chat import demonstration_trajectory, observation_ids, prompt_ids, render_prompt
 from .collate import RolloutBatch, collate, position_ids_from_attention_mask
 from .trajectory import Trajectory, TrajectoryLog, Turn, read_trajectories
@@ -57,8 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
