@@ -5,7 +5,8 @@ from pathlib import Path
 import trajgrad
 
 ROOT = Path(trajgrad.__file__).parent
-CORE_MODULES = ["_checks", "_aggregation", "_policy_stats", "aggregate", "logprobs", "returns", "gae", "_scan", "_steps", "credit", "baselines",
+CORE_MODULES = ["_checks", "_aggregation", "_policy_stats",
+                "aggregate", "logprobs", "returns", "gae", "_scan", "_steps", "credit", "baselines",
                 "advantages", "ratios", "correction", "diagnostics", "types", "registry"]
 CORE_PACKAGES = ["fused", "losses"]
 ABOVE = ("trajgrad.train", "trajgrad.rollout", "trajgrad.serve", "trajgrad.envs", "trajgrad.model", "trajgrad.weights",

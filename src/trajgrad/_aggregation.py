@@ -1,4 +1,4 @@
-"""The aggregation modes of §13 and the checks of their arguments, shared by :mod:`trajgrad.aggregate` and the losses."""
+"""The aggregation modes of §13 and the checks of their arguments (shared by :mod:`trajgrad.aggregate`, the losses)."""
 from __future__ import annotations
 
 import math

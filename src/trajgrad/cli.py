@@ -66,7 +66,8 @@ def explain(
             return
         if recipe.endswith((".yaml", ".yml")):
             cfg = trajgrad.train.config.load_config(recipe, overrides=overrides)
-            typer.echo(trajgrad.train.mixture.explain_config(cfg))  # with tasks: each environment's objective where they differ
+            # with tasks: each environment's objective where they differ
+            typer.echo(trajgrad.train.mixture.explain_config(cfg))
             return
         typer.echo(objective.explain(recipe, **overrides))
     except ValueError as exc:
@@ -246,7 +247,8 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible API with exact behaviour log-probs (docs/serving.md)."""
     try:
-        trajgrad.serve.main(host=host, port=port, model=model, dtype=dtype, adapter=None if adapter is None else str(adapter),
+        trajgrad.serve.main(host=host, port=port, model=model, dtype=dtype,
+                            adapter=None if adapter is None else str(adapter),
                    model_name=model_name, policy_version=policy_version, seed=seed)
     except ValueError as exc:
         _fail(exc)
@@ -266,10 +268,12 @@ def view(
     """Write one self-contained HTML page over a run: episodes, coloured tokens, curves, objective (docs/view.md)."""
     try:
         if serve:
-            trajgrad.view.serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens, console=typer.echo,
+            trajgrad.view.serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens,
+                                     console=typer.echo,
                        environment=env)
             return
-        typer.echo(str(trajgrad.view.write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens, environment=env)))
+        page = trajgrad.view.write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens, environment=env)
+        typer.echo(str(page))
     except ValueError as exc:
         _fail(exc)
     except OSError as exc:

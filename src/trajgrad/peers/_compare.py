@@ -251,7 +251,8 @@ def pairwise(fn, recipe, *, seed: int) -> VerifyReport:
         worst_g = max(worst_g, max_deviation(ga[0], gb[0]), max_deviation(ga[1], gb[1]))
     x = -torch.rand(5, generator=gen, dtype=F64)
     n = torch.full((5,), 3.0, dtype=F64)
-    eq = max_deviation(fn(x, x, x, x, n, n).detach(), recipe.dpo_loss(x, x, x, x, chosen_length=n, rejected_length=n).loss)
+    eq = max_deviation(fn(x, x, x, x, n, n).detach(),
+                       recipe.dpo_loss(x, x, x, x, chosen_length=n, rejected_length=n).loss)
     return VerifyReport(recipe.name, [
         Check("value", worst_v <= 1e-9, worst_v, "loss equals the recipe's (responses of 1 to 12 tokens)"),
         Check("gradient", worst_g <= 1e-9, worst_g, "gradients w.r.t. chosen / rejected log-probs"),

@@ -35,7 +35,8 @@ def verify_distill(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
         try:
             v3 = _scalar(loss_fn(s3, t3, mask))
             (g3,) = torch.autograd.grad(v3, s3)
-            d = max(max_deviation(v3.detach(), v.detach()), max_deviation(torch.where(mb, g3, 0.0), torch.where(mb, g, 0.0)))
+            d = max(max_deviation(v3.detach(), v.detach()),
+                    max_deviation(torch.where(mb, g3, 0.0), torch.where(mb, g, 0.0)))
         except Exception:
             d = math.inf
         worst["masked_nan"] = max(worst["masked_nan"], d)

@@ -209,7 +209,8 @@ def verify_policy(
         rvl, rgl = _call(ref_fn, long)
         vl, gl = got
         finite = bool(torch.isfinite(vl)) and bool(torch.isfinite(gl).all())
-        record("long_sequence", max(max_deviation(vl, rvl), max_deviation(gl, rgl)) if finite else math.inf, tol(rgl) + tol(rvl))
+        worst = max(max_deviation(vl, rvl), max_deviation(gl, rgl)) if finite else math.inf
+        record("long_sequence", worst, tol(rgl) + tol(rvl))
         if not finite:
             errors["long_sequence"] = "non-finite loss or gradient"
 
