@@ -43,7 +43,7 @@ STEPS = 5
 _CHILD = textwrap.dedent(
     """
     import sys, time
-    from trajgrad.train import checkpoint_files as F, run
+    from trajgrad.train import _checkpoint_files as F, run
     from trajgrad.train.async_trainer import AsyncTrainer
     from trajgrad.train.trainer import Trainer
 

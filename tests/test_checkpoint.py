@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trajgrad.train import checkpoint as ckpt
-from trajgrad.train import checkpoint_files as ckpt_files
+from trajgrad.train import _checkpoint_files as ckpt_files
 from trajgrad.train.checkpoint import (
     CheckpointState,
     latest_checkpoint,

@@ -10,7 +10,7 @@ from trajgrad.aggregate import aggregate
 from trajgrad.logprobs import entropy as token_entropy
 from trajgrad.logprobs import token_logprobs
 from trajgrad.objective import RECIPES, explain, get_recipe
-from trajgrad.train import checkpoint_state
+from trajgrad.train import _checkpoint_state
 from trajgrad.train.checkpoint import load_checkpoint, save_checkpoint
 
 F64 = torch.float64
@@ -102,20 +102,20 @@ def test_fields_without_effect_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="^entropy_coef: must lie in"):
         get_recipe("grpo", entropy_target=0.5, entropy_coef=0.2, entropy_coef_max=0.1)
     with pytest.raises(ValueError, match="^value"):
-        checkpoint_state.set_entropy_coef_state(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), -1.0)
+        _checkpoint_state.set_entropy_coef_state(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), -1.0)
 
 
 def test_the_coefficient_round_trips_through_a_checkpoint(tmp_path):
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    assert checkpoint_state.entropy_coef_state(opt, 0.004) == 0.004  # the start value until a step sets one
-    checkpoint_state.set_entropy_coef_state(opt, 0.0123456789)
+    assert _checkpoint_state.entropy_coef_state(opt, 0.004) == 0.004  # the start value until a step sets one
+    _checkpoint_state.set_entropy_coef_state(opt, 0.0123456789)
     save_checkpoint(tmp_path, 3, modules={"policy": net}, optimizers={"policy": opt})
     net2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-3)
-    assert checkpoint_state.entropy_coef_state(opt2, 0.0) == 0.0
+    assert _checkpoint_state.entropy_coef_state(opt2, 0.0) == 0.0
     load_checkpoint(tmp_path, modules={"policy": net2}, optimizers={"policy": opt2})
-    assert checkpoint_state.entropy_coef_state(opt2, 0.0) == 0.0123456789  # exact, not the start value
+    assert _checkpoint_state.entropy_coef_state(opt2, 0.0) == 0.0123456789  # exact, not the start value
 
 
 def test_trainer_adapts_logs_and_resumes_the_coefficient_exactly(tmp_path):
@@ -148,7 +148,7 @@ def test_trainer_adapts_logs_and_resumes_the_coefficient_exactly(tmp_path):
     torch.manual_seed(0)
     Trainer(cfg(2), tmp_path / "part", console=lambda *_: None).run()
     tr = Trainer(cfg(3), tmp_path / "part", resume=True, console=lambda *_: None)
-    assert checkpoint_state.entropy_coef_state(tr.optimizer, -1.0) == full[1]["entropy_control/next_coef"]
+    assert _checkpoint_state.entropy_coef_state(tr.optimizer, -1.0) == full[1]["entropy_control/next_coef"]
     tr.run()
     resumed = rows(tmp_path / "part")
     assert resumed[-1]["step"] == 3

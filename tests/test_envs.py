@@ -90,6 +90,28 @@ def test_register_task_source_decorator():
         register_task_source("")
 
 
+def test_registered_task_source_and_is_task_source():
+    from trajgrad.envs import base, task
+    from trajgrad.envs.adapters import is_task_source
+
+    @register_task_source("test-lookup")
+    def factory(**kwargs):
+        return get_task_source("calculator", **kwargs)
+
+    assert base.registered_task_source("test-lookup") is factory
+    assert base.registered_task_source("test-never-registered") is None
+    assert is_task_source(factory()) and not is_task_source(factory)
+
+    class TasksOnly:
+        def tasks(self, split, n, seed):
+            return []
+
+    assert not is_task_source(TasksOnly())
+    # the contract's types are one set of classes, whichever module names them
+    assert (base.Task, base.StepResult, base.TaskError, base.TaskSource) == (
+        task.Task, task.StepResult, task.TaskError, task.TaskSource)
+
+
 def test_kwargs_reach_the_configuration():
     source = get_task_source("calculator", ops_per_call=1, max_turns=5, max_operand=9)
     assert source.config.ops_per_call == 1

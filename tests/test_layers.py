@@ -5,7 +5,8 @@ from pathlib import Path
 import trajgrad
 
 ROOT = Path(trajgrad.__file__).parent
-CORE_MODULES = ["_checks", "_moved", "aggregate", "diagnostics", "turn_stats", "entropy_control", "types", "registry"]
+CORE_MODULES = ["_checks", "_aggregation", "_policy_stats", "_moved", "aggregate", "diagnostics", "turn_stats",
+                "entropy_control", "types", "registry"]
 # log-probs and ratios; advantages and returns; the objective's steered coefficients; chunked kernels; losses
 CORE_PACKAGES = ["logprobs", "advantages", "control", "fused", "losses"]
 ABOVE = ("trajgrad.train", "trajgrad.rollout", "trajgrad.serve", "trajgrad.envs", "trajgrad.model", "trajgrad.weights",

@@ -4,19 +4,19 @@ import math
 import pytest
 import torch
 
-from trajgrad import _policy_stats as diagnostics
+from trajgrad import _policy_stats
 from trajgrad._policy_stats import _fast_policy_metrics
 
 
 def _both(z, adv, maskf, lo_b=None, hi_b=None):
     n = maskf.sum()
     small = _fast_policy_metrics(z, adv, None, maskf, n, lo_b=lo_b, hi_b=hi_b)
-    old = diagnostics._SMALL
-    diagnostics._SMALL = -1  # force the tensor path
+    old = _policy_stats._SMALL
+    _policy_stats._SMALL = -1  # force the tensor path
     try:
         big = _fast_policy_metrics(z, adv, None, maskf, n, lo_b=lo_b, hi_b=hi_b)
     finally:
-        diagnostics._SMALL = old
+        _policy_stats._SMALL = old
     return small, big
 
 

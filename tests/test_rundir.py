@@ -65,7 +65,7 @@ _CHILD = textwrap.dedent(
             return orig_extend(self, trajs)
         TrajectoryLog.extend = extend
     elif mode == "ckpt":  # inside a checkpoint write: weights written, optimizer state not yet
-        import trajgrad.train.checkpoint_files as F
+        import trajgrad.train._checkpoint_files as F
         orig_write = F._write_torch
 
         def write(path, obj):
@@ -368,12 +368,12 @@ class _Boom(Exception):
 
 
 def _failing_trainer(monkeypatch):
-    import trajgrad.train.trainer as trainer_mod
+    import trajgrad.train.run as run_mod  # where run.main looks the trainer up
 
     def boom(*args, **kwargs):
         raise _Boom("the trainer could not start")
 
-    monkeypatch.setattr(trainer_mod, "Trainer", boom)
+    monkeypatch.setattr(run_mod, "Trainer", boom)
 
 
 def test_a_start_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def test_the_lock_is_released_when_the_holder_lets_go(tmp_path):
 def test_the_training_process_holds_the_lock_while_it_trains(tmp_path, monkeypatch):
     """trajgrad train's own process holds the lock while the trainer runs (checked from
     another process), and lets it go when it ends."""
-    import trajgrad.train.trainer as trainer_mod
+    import trajgrad.train.run as run_mod  # where run.main looks the trainer up
     from trajgrad.train.run import main
 
     seen = {}
@@ -103,7 +103,7 @@ def test_the_training_process_holds_the_lock_while_it_trains(tmp_path, monkeypat
                                  env=ENV, timeout=60)
             seen["stderr"] = res.stderr
 
-    monkeypatch.setattr(trainer_mod, "Trainer", Probe)
+    monkeypatch.setattr(run_mod, "Trainer", Probe)
     run = tmp_path / "run"
     assert main(preset="tiny", run_dir=run) == 0
     assert f"is being written by another trajgrad process (pid {os.getpid()} on " in seen["stderr"]

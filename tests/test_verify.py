@@ -6,7 +6,7 @@ import torch
 
 from trajgrad import losses
 from trajgrad.objective import RECIPES
-from trajgrad.verify import load_callable, verify
+from trajgrad.verify import load_callable, max_deviation, verify
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -101,3 +101,12 @@ def test_a_raising_implementation_fails_cleanly():
     for ref in ("ppo", "dpo", "opd"):
         rep = verify(broken, ref)
         assert not rep.passed and "boom" in rep.table()
+
+
+def test_max_deviation_is_inf_unless_shapes_match_and_differences_are_finite():
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert max_deviation(a, a + torch.tensor([0.0, -0.5, 0.25])) == 0.5
+    assert max_deviation(torch.zeros(0), torch.zeros(0)) == 0.0
+    assert max_deviation(a, a[:2]) == float("inf")
+    assert max_deviation(a, torch.tensor([1.0, float("nan"), 3.0])) == float("inf")
+    assert max_deviation(a, torch.tensor([1.0, 2.0, float("inf")])) == float("inf")

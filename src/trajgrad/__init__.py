@@ -3,22 +3,42 @@
 The core (``logprobs``: log-probs and ratios; ``advantages``: advantages and returns; ``losses``;
 ``aggregate``; ``control``: the Lagrange multiplier and teacher router; ``fused``; ``diagnostics``)
 is pure PyTorch. See the README for the estimator table and the layout.
+
+``import trajgrad`` loads the core's checks and result type only; the subpackages named in
+``_LAZY`` (the trainer, the server, the environments, ...) load on first attribute access
+(PEP 562), so that the command line's ``--help`` and a script that only computes losses do
+not import the trainer.
 """
 import sys as _sys
 import types as _types
 
 from . import _moved
 from ._checks import validation
-from .api import train
-from .api import train as _api_train
+from ._lazy import lazy_attributes as _lazy_attributes
 from .types import LossResult
+
+# attribute -> submodule that defines it (the submodule itself when both are the same name)
+_LAZY = {
+    "api": "api",
+    "envs": "envs",
+    "losses": "losses",
+    "objective": "objective",
+    "peers": "peers",
+    "serve": "serve",
+    "train": "train",
+    "verify": "verify",
+    "view": "view",
+}
+
+
+__getattr__ = _lazy_attributes(__name__, _LAZY)
 
 
 class _TrainPackage(_types.ModuleType):
     """The ``trajgrad.train`` package, callable as :func:`trajgrad.api.train`."""
 
     def __call__(self, *args, **kwargs):
-        return _api_train(*args, **kwargs)
+        return __getattr__("api").train(*args, **kwargs)
 
 
 class _Package(_types.ModuleType):

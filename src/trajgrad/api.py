@@ -20,7 +20,16 @@ from __future__ import annotations
 import importlib
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from .envs.adapters import as_task_source, is_task_source
+from .envs.base import register_task_source, registered_task_source
+from .train.asynchronous import AsyncTrainer
+from .train.config import load_config
+from .train.config_sources import recipe_defaults_line
+from .train.mixture import explain_config
+from .train.rundir import check_new_run_dir, create_run_dir
+from .train.trainer import Trainer
 
 __all__ = ["train", "build_config"]
 
@@ -28,20 +37,15 @@ _PRESET_MODELS = ("tiny", "smollm2")
 
 
 def _env_name(env: Any) -> str:
-    from .envs.adapters import _is_task_source
-    from .envs.base import _REGISTRY, register_task_source
-
     if isinstance(env, str):
         return env
-    is_source = _is_task_source(env) and not isinstance(env, type)
+    is_source = is_task_source(env) and not isinstance(env, type)
     if is_source or callable(env):
         name = f"py-{type(env).__name__ if is_source else getattr(env, '__name__', 'factory')}-{id(env):x}"
-        if name not in _REGISTRY:
+        if registered_task_source(name) is None:
             if is_source:
                 register_task_source(name)(lambda **kw: env if not kw else _no_options(name, kw))
             else:
-                from .envs.adapters import as_task_source
-
                 def factory(**kw):
                     adapter = kw.pop("adapter", None) or {}
                     return as_task_source(env(**kw), remake=lambda: env(**kw), **adapter)
@@ -93,8 +97,6 @@ def build_config(*, model: Optional[str] = None, env: Any = None, dataset: Optio
     Precedence (later wins): ``preset`` / ``config`` file, then ``model`` / ``env`` /
     ``dataset`` / ``rewards`` / ``recipe``, then ``overrides`` (dotted keys).
     """
-    from .train.config import load_config
-
     if env is not None and dataset is not None:
         raise ValueError("env: give an environment or a dataset, not both")
     if rewards is not None and dataset is None:
@@ -172,11 +174,6 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
       The summary dict: ``steps``, ``recipe``, ``eval_before`` / ``eval_after`` (held-out
       success) when evaluated, and ``run_dir``.
     """
-    from .train.config_sources import recipe_defaults_line
-    from .train.mixture import explain_config
-    from .train.rundir import check_new_run_dir, create_run_dir
-    from .train.trainer import Trainer
-
     cfg = build_config(model=model, env=env, dataset=dataset, rewards=rewards, heldout=heldout, recipe=recipe,
                        preset=preset, config=config, overrides=overrides)
     out = Path(run_dir) if run_dir is not None else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -190,8 +187,6 @@ def train(*, model: Optional[str] = None, env: Any = None, dataset: Optional[Uni
     say(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
-            from .train.asynchronous import AsyncTrainer
-
             trainer = AsyncTrainer(cfg, out, console=say)
         else:
             trainer = Trainer(cfg, out, console=say)

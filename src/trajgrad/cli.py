@@ -1,12 +1,21 @@
-"""The ``trajgrad`` command line: train | config | doctor | explain | verify | example | plot | serve | view."""
+"""The ``trajgrad`` command line: train | config | doctor | explain | verify | example | plot | serve | view.
+
+Each command reaches its subsystem through the package (``trajgrad.train.run.main``, ...), whose
+subpackages load on first use (``trajgrad._LAZY``): ``trajgrad --help`` imports none of them.
+"""
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
+import torch
 import typer
+
+import trajgrad
 
 from ._optional import MissingPackage
 
@@ -19,9 +28,7 @@ app = typer.Typer(
 
 def _parse_sets(sets: Optional[List[str]]) -> dict:
     """``--set key=value`` items (values are YAML); ValueError naming the key otherwise."""
-    from .train.config import parse_overrides
-
-    return parse_overrides(sets)
+    return trajgrad.train.config.parse_overrides(sets)
 
 
 def _fail(exc: BaseException, code: int = 2) -> None:
@@ -38,38 +45,31 @@ def explain(
     diff: Optional[str] = typer.Option(None, "--diff", help="A second recipe or config: print the two term by term."),
 ) -> None:
     """Print the exact estimator a recipe (or a config) optimizes; with --diff, what differs between two."""
-    from .objective import RECIPES, explain as explain_fn, explain_diff
+    objective = trajgrad.objective
 
     def resolve(name: str, overrides):
         if name.endswith((".yaml", ".yml")):
-            from .train.config import load_config
-
-            return load_config(name, overrides=overrides).objective()
-        from .objective import get_recipe
-
-        return get_recipe(name, **overrides)
+            return trajgrad.train.config.load_config(name, overrides=overrides).objective()
+        return objective.get_recipe(name, **overrides)
 
     try:
         overrides = _parse_sets(set_)
         if diff is not None:
             if recipe is None:
                 raise ValueError("recipe: --diff needs two recipes or configs: trajgrad explain A --diff B")
-            typer.echo(explain_diff(resolve(recipe, overrides), resolve(diff, overrides)))
+            typer.echo(objective.explain_diff(resolve(recipe, overrides), resolve(diff, overrides)))
             return
         if all_ or recipe is None:
-            names = list(RECIPES)
-            texts = [explain_fn(n) for n in names]
+            names = list(objective.RECIPES)
+            texts = [objective.explain(n) for n in names]
             typer.echo(("\n\n" + "=" * 78 + "\n\n").join(texts))
             return
         if recipe.endswith((".yaml", ".yml")):
-            from .train.config import load_config
-
-            from .train.mixture import explain_config
-
-            cfg = load_config(recipe, overrides=overrides)
-            typer.echo(explain_config(cfg))  # with tasks: each environment's objective where they differ
+            cfg = trajgrad.train.config.load_config(recipe, overrides=overrides)
+            # with tasks: each environment's objective where they differ
+            typer.echo(trajgrad.train.mixture.explain_config(cfg))
             return
-        typer.echo(explain_fn(recipe, **overrides))
+        typer.echo(objective.explain(recipe, **overrides))
     except ValueError as exc:
         _fail(exc)
 
@@ -85,8 +85,6 @@ def verify(
     include_kl: bool = typer.Option(False, "--include-kl", help="Compare with the recipe's KL term too (ref_logp= passed)."),
 ) -> None:
     """Run the §24 battery and a value+gradient comparison of TARGET against trajgrad (--as logprobs: a log-prob function)."""
-    from .verify import load_callable, verify as verify_fn
-
     if peer is not None:
         _verify_peer(peer, as_, out, seed)
         return
@@ -94,8 +92,8 @@ def verify(
     try:
         if target is None:
             raise ValueError("target: give MODULE:FUNCTION to check, or --peer trl|verl")
-        fn = load_callable(target)
-        report = verify_fn(fn, as_, seed=seed, include_kl=include_kl, **_parse_sets(set_))
+        fn = trajgrad.verify.load_callable(target)
+        report = trajgrad.verify.verify(fn, as_, seed=seed, include_kl=include_kl, **_parse_sets(set_))
     except ValueError as exc:
         _fail(exc)
     typer.echo(f"verify {target} against recipe '{as_}' (float64)\n")
@@ -104,12 +102,9 @@ def verify(
 
 
 def _verify_peer(peer: str, recipe: Optional[str], out: Path, seed: int) -> None:
-    import importlib
-
-    from .peers import conformance, report
-
+    peers = trajgrad.peers
     try:
-        module = importlib.import_module(f".peers.{peer}", __package__) if peer in ("trl", "verl") else None
+        module = {"trl": peers.trl, "verl": peers.verl}.get(peer)
         if module is None:
             raise ValueError(f"--peer: must be trl or verl, got {peer!r}")
         try:
@@ -117,12 +112,12 @@ def _verify_peer(peer: str, recipe: Optional[str], out: Path, seed: int) -> None
         except ImportError as exc:
             raise ValueError(f"--peer: {peer} is not installed ({exc}); install the pinned peers: "
                              f"pip install \"trajgrad[peers]\" (see the README)") from exc
-        results = conformance(peer, recipe=recipe, seed=seed)
+        results = peers.conformance(peer, recipe=recipe, seed=seed)
     except ValueError as exc:
         _fail(exc)
     typer.echo(f"verify --peer {peer} ({peer} {version}; pinned {module.PINNED}) against trajgrad (float64)\n")
-    typer.echo(report.table(results))
-    for path in report.write(peer, version, results, out):
+    typer.echo(peers.report.table(results))
+    for path in peers.report.write(peer, version, results, out):
         typer.echo(f"wrote {path}")
     raise typer.Exit(0 if all(r.status.startswith("agrees") for r in results) else 1)
 
@@ -130,15 +125,11 @@ def _verify_peer(peer: str, recipe: Optional[str], out: Path, seed: int) -> None
 @app.command()
 def example() -> None:
     """The spec's one-batch worked calculation (§23) through ppo_clip_loss."""
-    import torch
-
-    from .losses import ppo_clip_loss
-
     old = torch.tensor([[-1.00, -0.50], [-0.20, -0.70]], dtype=torch.float64)
     cur = torch.tensor([[-0.90, -0.60], [-0.10, -1.00]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-0.5, -0.5]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    res = ppo_clip_loss(cur, old, adv, mask, eps_low=0.2)
+    res = trajgrad.losses.ppo_clip_loss(cur, old, adv, mask, eps_low=0.2)
     res.loss.backward()
     ratios = torch.exp(cur.detach() - old)[mask.bool()]
     typer.echo("spec §23: two trajectories, two action tokens each, clip epsilon 0.2")
@@ -166,22 +157,19 @@ def train(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Asynchronous runs: join this Ray cluster."),
 ) -> None:
     """Train an agent (the embedded default: SmolLM2-135M + LoRA, calculator tool, GRPO)."""
-    from .envs.base import TaskError
-    from .train.run import main as train_main
-
     try:
         overrides = _parse_sets(set_)
         if ray_address is not None:
             if "asynchronous.ray_address" in overrides:
                 raise ValueError("asynchronous.ray_address: given both with --ray-address and --set")
             overrides["asynchronous.ray_address"] = ray_address
-        code = train_main(config=config, preset=preset, overrides=overrides, resume=resume, run_dir=run_dir,
+        code = trajgrad.train.run.main(config=config, preset=preset, overrides=overrides, resume=resume, run_dir=run_dir,
                           overwrite=overwrite, allow_config_change=allow_config_change, checkpoint=checkpoint)
     except ValueError as exc:
         _fail(exc)
     except OSError as exc:  # a file system refusal (permissions, full disk, ...): one line, no traceback
         _fail(ValueError(f"{getattr(exc, 'filename', None) or 'run_dir'}: {exc.strerror or exc}"))
-    except TaskError as exc:  # the user's task code failed mid-run (a reward function, ...): one line
+    except trajgrad.envs.TaskError as exc:  # the user's task code failed mid-run (a reward function, ...): one line
         _fail(exc, 1)
     raise typer.Exit(code or 0)
 
@@ -195,16 +183,13 @@ def config(
     markdown: bool = typer.Option(False, "--markdown", help="Print the configuration reference (docs/config.md)."),
 ) -> None:
     """Print the resolved config with where each value came from (default, preset, file, --set)."""
-    from .train import config_reference, config_sources
-
+    config_reference, config_sources = trajgrad.train.config_reference, trajgrad.train.config_sources
     try:
         if schema or markdown:
             if schema and markdown:
                 raise ValueError("--schema: give one of --schema and --markdown")
             if config_file is not None or preset is not None or set_:
                 raise ValueError("--schema: documents every key; it takes no CONFIG, --preset or --set")
-            import json
-
             typer.echo(json.dumps(config_reference.json_schema(), indent=2) if schema else config_reference.markdown(),
                        nl=not markdown)
             return
@@ -227,15 +212,12 @@ def doctor(
     """Will this run learn? Sample the base policy as training would; the recipe's signal, a verdict, advice.
 
     Exit status: 0 for ok (or n/a), 1 for a weak signal or none, 2 for a bad config."""
-    from .train.doctor import doctor as doctor_fn
-    from .train.doctor_report import format_report
-
     try:
-        facts = doctor_fn(config_file, preset=preset, overrides=_parse_sets(set_), groups=groups,
+        facts = trajgrad.train.doctor.doctor(config_file, preset=preset, overrides=_parse_sets(set_), groups=groups,
                           max_seconds=max_seconds, sft=not no_sft, console=lambda m: typer.echo(m, err=True))
     except ValueError as exc:
         _fail(exc)
-    text, verdict = format_report(facts)
+    text, verdict = trajgrad.train.doctor_report.format_report(facts)
     typer.echo(text)
     raise typer.Exit(1 if verdict in ("no signal", "weak signal") else 0)
 
@@ -243,10 +225,8 @@ def doctor(
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="A run directory with metrics.jsonl.")) -> None:
     """Write PNG learning curves of a run."""
-    from .view.plot import plot_run
-
     try:
-        paths = plot_run(run_dir)
+        paths = trajgrad.view.plot_run(run_dir)
     except ValueError as exc:
         _fail(exc)
     for p in paths:
@@ -266,10 +246,9 @@ def serve(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the generator for unseeded requests."),
 ) -> None:
     """Serve a model over an OpenAI-compatible API with exact behaviour log-probs (docs/serving.md)."""
-    from .serve import main as serve_main
-
     try:
-        serve_main(host=host, port=port, model=model, dtype=dtype, adapter=None if adapter is None else str(adapter),
+        trajgrad.serve.main(host=host, port=port, model=model, dtype=dtype,
+                            adapter=None if adapter is None else str(adapter),
                    model_name=model_name, policy_version=policy_version, seed=seed)
     except ValueError as exc:
         _fail(exc)
@@ -287,14 +266,14 @@ def view(
     env: Optional[str] = typer.Option(None, "--env", help="Only this environment's episodes (a run with tasks:)."),
 ) -> None:
     """Write one self-contained HTML page over a run: episodes, coloured tokens, curves, objective (docs/view.md)."""
-    from .view import serve_view, write_view
-
     try:
         if serve:
-            serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens, console=typer.echo,
+            trajgrad.view.serve_view(run_dir, port=port, max_episodes=max_episodes, max_tokens=max_tokens,
+                                     console=typer.echo,
                        environment=env)
             return
-        typer.echo(str(write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens, environment=env)))
+        page = trajgrad.view.write_view(run_dir, out, max_episodes=max_episodes, max_tokens=max_tokens, environment=env)
+        typer.echo(str(page))
     except ValueError as exc:
         _fail(exc)
     except OSError as exc:

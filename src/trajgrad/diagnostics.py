@@ -26,6 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from . import _checks
+from .turn_stats import group_stats, mismatch_by_turn  # noqa: F401  (per-turn statistics, kept importable here)
 from ._policy_stats import (  # noqa: F401  (QUANTILES, QUANTILE_POSITIONS, loss_quantiles*: public here)
     QUANTILE_POSITIONS,
     QUANTILES,
@@ -254,7 +255,3 @@ __all__ = [
     "effective_sample_size",
     "zero_variance_fraction",
 ]
-
-
-# per-turn statistics live in their own module; kept importable from here
-from .turn_stats import group_stats, mismatch_by_turn  # noqa: E402,F401

@@ -47,7 +47,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import Message, StepResult, Task, TaskError, register_task_source, resolve_import
+from .mcp import MCPTools
+from .schema import function_tool
 from .splits import hash_split, take
+from .toolenv import ToolEnv
 
 __all__ = ["DatasetConfig", "DatasetSource", "DatasetEnv", "load_rows", "load_rewards"]
 
@@ -247,8 +250,6 @@ class DatasetEnv:
         self._task_id: Optional[str] = None
         self._tools = None
         if source.tools or source.mcp:
-            from .toolenv import ToolEnv
-
             self._tools = ToolEnv(source.tools, lambda text, task: self._score(text)[0], max_turns=self.max_turns,
                                   system_prompt=source.config.system_prompt or "",
                                   success_threshold=source.config.success_threshold, mcp=source.mcp)
@@ -326,12 +327,10 @@ class DatasetSource:
                 if set(spec) != {"mcp"}:
                     raise ValueError(f"tools.{k}: expected an import string 'module:function' or {{mcp: {{command: "
                                      f"..., args: [...]}}}} / {{mcp: {{url: ...}}}}, got keys {sorted(spec)}")
-                from .mcp import MCPTools
 
                 self.mcp.append(MCPTools(spec, key=f"tools.{k}"))
                 continue
             fn = resolve_import(spec, key=f"tools.{k}")
-            from .schema import function_tool
 
             try:
                 self.tools.append(function_tool(fn))

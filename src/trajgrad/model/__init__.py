@@ -23,7 +23,7 @@ A layer below :mod:`trajgrad.rollout` and :mod:`trajgrad.train` (it imports neit
 
 Importing this package does not import ``transformers``; the functions import it when called.
 """
-import importlib
+from .._lazy import lazy_attributes
 
 _LAZY = {
     "build_model": "build", "build_policy_model": "build", "model_device": "build", "MODEL_NAMES": "build",
@@ -46,7 +46,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

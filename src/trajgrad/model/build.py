@@ -22,6 +22,10 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .dtype import resolve_dtype
+from .pretrained import load_pretrained
+from .smollm2 import load_smollm2
+from .tiny import build_tiny_model
+from .tokenizer import build_char_tokenizer
 
 __all__ = ["MODEL_NAMES", "build_model", "build_policy_model", "lora_target_modules", "model_device"]
 
@@ -132,17 +136,10 @@ def build_model(
     """
     dt = resolve_dtype(dtype)
     if path is not None:
-        from .pretrained import load_pretrained
-
         model, tok = load_pretrained(path, dtype=dt, key=key)
     elif name == "smollm2":
-        from .smollm2 import load_smollm2
-
         model, tok = load_smollm2(dtype=dt)
     elif name == "tiny":
-        from .tiny import build_tiny_model
-        from .tokenizer import build_char_tokenizer
-
         tok = build_char_tokenizer()
         model = build_tiny_model(tok, hidden_size=tiny_hidden_size, layers=tiny_layers, heads=tiny_heads,
                                  seed=tiny_seed, dtype=dt)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .learner import head_inputs
+from .parts import causal_parts
+
 __all__ = ["CriticModel", "ValueHead"]
 
 
@@ -52,7 +55,6 @@ class CriticModel(nn.Module):
 
     def __init__(self, backbone: nn.Module):
         super().__init__()
-        from .parts import causal_parts
 
         self.backbone = backbone
         self.head = ValueHead(causal_parts(backbone)[1].weight.shape[1])
@@ -64,7 +66,5 @@ class CriticModel(nn.Module):
             out.weight.requires_grad_(False)
 
     def forward(self, batch) -> torch.Tensor:
-        from .learner import head_inputs
-
         hidden, _, _ = head_inputs(self.backbone, batch.input_ids, batch.attention_mask)
         return self.head.values(hidden)

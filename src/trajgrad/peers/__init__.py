@@ -25,8 +25,11 @@ environment where verl's pins do not clash with trajgrad's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import List, Optional
+
+from ..objective import get_recipe
+from . import _cases, _compare, report, trl, verl
+from ._case import CaseResult, PeerCase
 
 OBJECTIVE_CHECKS = ("value", "gradient", "ratio_one", "zero_advantage", "padding", "off_policy", "returns",
                     "selection_rule", "selection_count", "gradient_unselected", "selection_law")
@@ -54,45 +57,8 @@ CONVENTION_NOTES = {
 }
 
 
-@dataclass(frozen=True)
-class PeerCase:
-    peer: str
-    function: str
-    make: Callable[[], Callable]
-    recipe: str
-    options: Dict[str, Any] = field(default_factory=dict)
-    kind: str = "policy"            # "policy" | "advantage" | "token_advantage" | "kl" | "cov_topk" | "cov_random" | "pairwise"
-                                    # | "token_baseline" | "critic"
-    include_kl: bool = False
-    denominator: Optional[str] = None   # "rows": trajgrad called with denominator = number of rows (empty ones too)
-    notes: Tuple[str, ...] = ()
-    # checks that the convention itself makes fail (e.g. ``padding`` for a loss averaged over every row)
-    convention_checks: Tuple[str, ...] = ()
-    # trajgrad's side when the recipe's registry entry cannot take the peer's input (response lengths,
-    # a baseline reward): ``ours(...)`` with the adapter's arguments, named by ``ours_name`` in the result
-    ours: Optional[Callable] = None
-    ours_name: str = ""
-    # set where trajgrad has no counterpart: the case is expected to differ, and this line says why
-    no_counterpart: str = ""
-    tol: float = 1e-9                   # the value tolerance (raised, with a note, for a peer computing in float32)
-    observations: bool = False          # token baselines: responses with observation tokens inside (multi-turn)
-
-
-@dataclass
-class CaseResult:
-    case: PeerCase
-    status: str
-    worst: float
-    failed_objective: List[str]
-    conventions: List[str]
-    table: str
-    error: str = ""
-
-
 def cases(peer: str) -> List[PeerCase]:
     """The cases of one peer (``"trl"`` or ``"verl"``)."""
-    from . import _cases
-
     if peer not in _cases.CASES:
         raise ValueError(f"peer: must be one of {', '.join(_cases.CASES)}, got {peer!r}")
     return list(_cases.CASES[peer])
@@ -100,9 +66,6 @@ def cases(peer: str) -> List[PeerCase]:
 
 def run_case(case: PeerCase, *, seed: int = 0) -> CaseResult:
     """Run one case and classify it (see the module docstring)."""
-    from ..objective import get_recipe
-    from . import _compare
-
     try:
         fn = case.make()
         recipe = get_recipe(case.recipe, **case.options)

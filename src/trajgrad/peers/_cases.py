@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import PeerCase
+from ..advantages import (gdpo_advantages, gpg_advantages, opo_advantages, optimal_token_baseline, reinforce_pp_advantages,
+                          remax_advantages, whiten)
 from . import trl as T
 from . import verl as V
+from ._case import PeerCase
 
 NO_KL = {"kl_coef": 0.0, "kl_placement": "none"}
 PAPER_KL = {"kl_placement": "loss", "kl_coef": 0.04}  # DeepSeekMath's KL term (trajgrad's grpo has none)
@@ -142,37 +144,27 @@ def _token_weighted(r, lengths):
     """``[M]`` per-response values whitened over tokens (verl's ``masked_whiten`` of the broadcast values)."""
     import torch
 
-    from ..advantages.baselines import whiten
-
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     return whiten(r[:, None].expand(-1, mask.shape[1]), mask, unbiased=True, eps=1e-8)[:, 0]
 
 
 def _rpp_lengths(group_baseline: bool):
     def ours(r, gids, lengths):
-        from ..advantages import reinforce_pp_advantages
-
         return reinforce_pp_advantages(r, group_baseline=group_baseline, group_ids=gids if group_baseline else None,
                                        lengths=lengths, unbiased=True, eps=1e-8).advantages
     return ours
 
 
 def _gdpo_lengths(r, gids, lengths):
-    from ..advantages import gdpo_advantages
-
     s = gdpo_advantages(r[:, None], group_ids=gids, eps=1e-6, unbiased=True, batch_normalize=False).advantages
     return _token_weighted(s, lengths)
 
 
 def _gpg_nonzero(r, gids):
-    from ..advantages.group_baselines import gpg_advantages
-
     return gpg_advantages(r, group_ids=gids, count="nonzero").advantages
 
 
 def _opo(r, gids, lengths):
-    from ..advantages.group_baselines import opo_advantages
-
     return opo_advantages(r, lengths, group_ids=gids).advantages
 
 
@@ -188,8 +180,6 @@ GDPO_WEIGHTS = (1.0, 0.5)
 
 def _gdpo_components(r, gids, lengths):
     import torch
-
-    from ..advantages import gdpo_advantages
 
     s = gdpo_advantages(_two_components(r), group_ids=gids, weights=torch.tensor(GDPO_WEIGHTS, dtype=r.dtype),
                         eps=1e-6, unbiased=True, batch_normalize=False).advantages
@@ -207,15 +197,11 @@ def _greedy_reward(r, gids):
 
 
 def _remax(r, gids, lengths):
-    from ..advantages.group_baselines import remax_advantages
-
     return remax_advantages(r, _greedy_reward(r, gids))
 
 
 def _otb(align: str):
     def ours(rewards, mask, gids, lp, s2):
-        from ..advantages.group_baselines import optimal_token_baseline
-
         return optimal_token_baseline(rewards, mask, gids, lp, s2, align=align).advantages
     return ours
 

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from ..verify import VerifyReport, verify
-from ..verify._common import Check, _maxdev
+from ..losses import clip_cov_loss
+from ..verify import Check, VerifyReport, max_deviation, verify
 
 F64 = torch.float64
 
@@ -52,7 +52,7 @@ def advantage(fn, recipe, case, *, seed: int) -> VerifyReport:
             lengths = _lengths(gen, r.shape, is_ragged)
             got = torch.as_tensor(fn(r, gids, lengths), dtype=F64)
             want = ours(r, gids, lengths)
-            d = _maxdev(got, want)
+            d = max_deviation(got, want)
             if is_ragged:
                 ragged = max(ragged, d)
             else:
@@ -81,7 +81,7 @@ def kl(fn, recipe, *, seed: int) -> VerifyReport:
         lp2 = logp.detach().clone().requires_grad_(True)
         want = recipe.kl_per_token(lp2, ref, mask)
         (g_want,) = torch.autograd.grad(want.sum(), lp2)
-        d = max(_maxdev(got.detach(), want.detach()), _maxdev(g_got, g_want))
+        d = max(max_deviation(got.detach(), want.detach()), max_deviation(g_got, g_want))
         checks.append(Check(name, d <= 1e-9 * max(1.0, float(want.detach().abs().max())), d,
                             f"value and gradient, log-ratio std {scale:g}"))
     return VerifyReport(recipe.name, checks)
@@ -103,8 +103,8 @@ def gae(fn, recipe, *, seed: int) -> VerifyReport:
         rewards = torch.where(mask & (torch.rand(B, L, generator=gen) > 0.7), torch.randn(B, L, generator=gen, dtype=F64), 0.0)
         adv, ret = fn(values, rewards, mask)
         ours = recipe.token_advantages(values, rewards, mask, bootstrap_value=0.0)
-        worst_a = max(worst_a, _maxdev(adv[mask], ours.advantages[mask]))
-        worst_r = max(worst_r, _maxdev(ret[mask], ours.returns[mask]))
+        worst_a = max(worst_a, max_deviation(adv[mask], ours.advantages[mask]))
+        worst_r = max(worst_r, max_deviation(ret[mask], ours.returns[mask]))
     return VerifyReport(recipe.name, [Check("value", worst_a <= 1e-9, worst_a, "advantages at action tokens"),
                                       Check("returns", worst_r <= 1e-9, worst_r, "value targets at action tokens")])
 
@@ -140,13 +140,13 @@ def cov_topk(fn, recipe, case, *, seed: int) -> VerifyReport:
         logp, old, adv, mask = _cov_batch(gen, B, L, N)
         v1, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, COV_RATIO), logp)
         v2, g2 = _value_grad(lambda lp: o.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
-        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+        worst_v, worst_g = max(worst_v, max_deviation(v1, v2)), max(worst_g, max_deviation(g1[mask], g2[mask]))
     checks += [Check("value", worst_v <= 1e-12, worst_v, "loss at r·N integral (160 and 320 valid tokens)"),
                Check("gradient", worst_g <= 1e-12, worst_g, "gradient at every valid token")]
     logp, old, adv, mask = _cov_batch(gen, 6, 40, 150)
     _, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, COV_RATIO), logp)
     _, g2 = _value_grad(lambda lp: o.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
-    d = _maxdev(g1[mask], g2[mask])
+    d = max_deviation(g1[mask], g2[mask])
     checks.append(Check("selection_count", d <= 1e-12, d, "gradient at r·N = 9.375 (150 valid tokens)"))
     return VerifyReport(recipe.name, checks)
 
@@ -173,8 +173,6 @@ def cov_random(fn, recipe, case, *, seed: int, draws: int = 400) -> VerifyReport
       neither side selected), ``same_tokens`` (the two draws pick the same tokens) and ``selection_law``
       (over ``draws`` seeds both select each candidate with frequency k/|C|, within 0.15).
     """
-    from ..losses import clip_cov_loss
-
     gen = torch.Generator().manual_seed(seed)
     el, eh, lo, hi = recipe.eps_low, recipe.eps_high_, recipe.cov_low, 5.0
     checks = []
@@ -184,7 +182,7 @@ def cov_random(fn, recipe, case, *, seed: int, draws: int = 400) -> VerifyReport
         logp, old, adv, mask = _cov_batch(gen, B, L, N)
         v1, g1 = _value_grad(lambda lp: fn(lp, old, adv, mask, 1.0), logp)
         v2, g2 = _value_grad(lambda lp: every.policy_loss(lp, adv, mask, old_logp=old).loss, logp)
-        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+        worst_v, worst_g = max(worst_v, max_deviation(v1, v2)), max(worst_g, max_deviation(g1[mask], g2[mask]))
     checks += [Check("gradient", worst_g <= 1e-12, worst_g, "every candidate selected (r = 1)"),
                Check("value", worst_v <= 1e-12, worst_v, "every candidate selected (r = 1)")]
 
@@ -225,7 +223,7 @@ def cov_random(fn, recipe, case, *, seed: int, draws: int = 400) -> VerifyReport
               "verl's tokens = torch.randperm(|C|)[:⌊rN⌋] of the candidates after torch.manual_seed"),
         Check("selection_count", counts == (k, k), float(abs(counts[0] - counts[1])),
               f"both select {k} of {int(cand.sum())} candidates (verl {counts[0]}, trajgrad {counts[1]})"),
-        Check("gradient_unselected", _maxdev(gv[off], go[off]) <= 1e-12, _maxdev(gv[off], go[off]),
+        Check("gradient_unselected", max_deviation(gv[off], go[off]) <= 1e-12, max_deviation(gv[off], go[off]),
               "equal gradients at the tokens neither side selected"),
         Check("same_tokens", bool(torch.equal(s_verl, s_ours)), float((s_verl != s_ours).sum()),
               "the same seed selects the same tokens"),
@@ -249,11 +247,12 @@ def pairwise(fn, recipe, *, seed: int) -> VerifyReport:
         ga = torch.autograd.grad(v, a)
         w = recipe.dpo_loss(b[0], b[1], xs[2], xs[3], chosen_length=lens[0], rejected_length=lens[1]).loss
         gb = torch.autograd.grad(w, b)
-        worst_v = max(worst_v, _maxdev(v.detach(), w.detach()))
-        worst_g = max(worst_g, _maxdev(ga[0], gb[0]), _maxdev(ga[1], gb[1]))
+        worst_v = max(worst_v, max_deviation(v.detach(), w.detach()))
+        worst_g = max(worst_g, max_deviation(ga[0], gb[0]), max_deviation(ga[1], gb[1]))
     x = -torch.rand(5, generator=gen, dtype=F64)
     n = torch.full((5,), 3.0, dtype=F64)
-    eq = _maxdev(fn(x, x, x, x, n, n).detach(), recipe.dpo_loss(x, x, x, x, chosen_length=n, rejected_length=n).loss)
+    eq = max_deviation(fn(x, x, x, x, n, n).detach(),
+                       recipe.dpo_loss(x, x, x, x, chosen_length=n, rejected_length=n).loss)
     return VerifyReport(recipe.name, [
         Check("value", worst_v <= 1e-9, worst_v, "loss equals the recipe's (responses of 1 to 12 tokens)"),
         Check("gradient", worst_g <= 1e-9, worst_g, "gradients w.r.t. chosen / rejected log-probs"),
@@ -285,7 +284,7 @@ def token_baseline(fn, recipe, case, *, seed: int) -> VerifyReport:
         s2 = probs.square().sum(-1)
         got = fn(rewards, mask, gids, lp, s2)
         want = case.ours(rewards, mask, gids, lp, s2)
-        worst = max(worst, _maxdev(got[mask], want[mask]))
+        worst = max(worst, max_deviation(got[mask], want[mask]))
     return VerifyReport(recipe.name, [Check("value", worst <= 1e-9, worst, "advantages at every action token")])
 
 
@@ -301,6 +300,6 @@ def critic(fn, recipe, case, *, seed: int) -> VerifyReport:
         targets = torch.randn(B, L, generator=gen, dtype=F64)
         v1, g1 = _value_grad(lambda v: fn(v, targets, mask, old), values)
         v2, g2 = _value_grad(lambda v: recipe.value_loss(v, targets, mask, old_values=old).loss, values)
-        worst_v, worst_g = max(worst_v, _maxdev(v1, v2)), max(worst_g, _maxdev(g1[mask], g2[mask]))
+        worst_v, worst_g = max(worst_v, max_deviation(v1, v2)), max(worst_g, max_deviation(g1[mask], g2[mask]))
     return VerifyReport(recipe.name, [Check("value", worst_v <= 1e-12, worst_v, "critic loss"),
                                       Check("gradient", worst_g <= 1e-12, worst_g, "d loss / d values")])

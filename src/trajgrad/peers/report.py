@@ -5,7 +5,8 @@ import html
 from pathlib import Path
 from typing import List, Sequence
 
-from . import CaseResult
+from ._case import CaseResult
+from ._cases import UNCOVERED
 
 
 def table(results: Sequence[CaseResult]) -> str:
@@ -41,8 +42,6 @@ def markdown(peer: str, version: str, results: Sequence[CaseResult]) -> str:
 
 
 def _uncovered(peer: str):
-    from ._cases import UNCOVERED
-
     return UNCOVERED.get(peer, [])
 
 

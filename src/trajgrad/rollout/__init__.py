@@ -21,6 +21,7 @@ Models, tokenizers, the decode step and position ids are in :mod:`trajgrad.model
 Importing this package does not import ``transformers``; the model helpers import it
 when called.
 """
+from .._lazy import lazy_attributes
 from .chat import demonstration_trajectory, observation_ids, prompt_ids, render_prompt
 from .collate import RolloutBatch, collate, position_ids_from_attention_mask
 from .trajectory import Trajectory, TrajectoryLog, Turn, read_trajectories
@@ -33,10 +34,6 @@ _LAZY = {
     "Action": "generation",
     "SamplingSettings": "generation",
     "EpisodeRunner": "episodes",
-    "CharTokenizer": "models",
-    "build_char_tokenizer": "models",
-    "build_tiny_model": "models",
-    "load_smollm2": "models",
     "OpenAISampler": "openai_backend",
     "OpenAIBackend": "openai_backend",
     "VLLMSampler": "vllm_sampler",
@@ -59,10 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

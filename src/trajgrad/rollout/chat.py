@@ -38,6 +38,8 @@ import json
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
+from .trajectory import NO_VERSION, Trajectory, Turn
+
 __all__ = [
     "IM_START",
     "IM_END",
@@ -328,8 +330,6 @@ def demonstration_trajectory(tokenizer, source, task, *, env=None):
     behaviour of an importance ratio. ``success`` is True, rewards are 0,
     ``metadata["demonstration"]`` is True.
     """
-    from .trajectory import NO_VERSION, Trajectory, Turn
-
     if env is None:  # an environment made here is closed here (e.g. its episode's MCP servers)
         env = source.make_env()
         try:

@@ -45,6 +45,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from ..logprobs import sampling_logits
 from ..model.build import model_device
 from ..model.decode import KVBuffers, decode_step, fast_backbone
 from ..model.decode_plan import DecodePlan
@@ -260,8 +261,6 @@ def sample_actions(
       ``cut`` is True when the action hit ``max_new_tokens`` before an end token. With
       ``return_kv``: ``(results, kv)``.
     """
-    from ..logprobs import sampling_logits
-
     t, top_k, top_p, max_new_tokens = validate_sampling(temperature, top_k, top_p, max_new_tokens)
     if not sequences:
         return []

@@ -51,10 +51,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .._optional import require
 from .chat import end_of_turn_id
 from .episodes import EpisodeRunner
 from .generation import Action, SamplingSettings
-from .._optional import require
+from .weight_sync import sync_server_weights
 
 __all__ = ["OpenAIBackend", "OpenAISampler", "SERVERS"]
 
@@ -387,8 +388,6 @@ class OpenAIBackend:
         """Save ``model``'s trainable weights and load them into the server
         (:func:`~trajgrad.rollout.weight_sync.sync_server_weights`). Returns the directory
         written; the caller records ``version`` (:meth:`OpenAISampler.sync_weights` does)."""
-        from .weight_sync import sync_server_weights
-
         return sync_server_weights(self, model, version, save_dir)
 
     def post_text(self, path: str, body: Dict[str, Any]) -> Any:

@@ -39,8 +39,10 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch
 
 from ..weights import is_peft, unwrap
+from .generation import SamplingSettings
 from .openai_backend import OpenAISampler
 from .vllm_server import VLLMServer
+from .weight_sync import load_vllm_adapter
 
 __all__ = ["VLLMSampler", "save_for_vllm", "ServerDied"]
 
@@ -162,8 +164,6 @@ class VLLMSampler(OpenAISampler):
         self.backend.request_model = self.backend.model_name
         self.backend.loaded_adapter = None
         if last is not None and not full:
-            from .weight_sync import load_vllm_adapter
-
             load_vllm_adapter(self.backend, last, self.policy_version)
 
     # ------------------------------------------------------------------ sampling
@@ -195,8 +195,6 @@ class VLLMSampler(OpenAISampler):
     def evaluate_on(self, source, tasks, *, temperature: float, seed: int):
         """Held-out episodes (one per task) sampled by the server with the current weights at
         ``temperature`` (no top-k / top-p); the training sampling settings are restored after."""
-        from .generation import SamplingSettings
-
         kept = self.backend.settings
         self.backend.settings = SamplingSettings.create(temperature, None, None, kept.max_new_tokens)
         try:

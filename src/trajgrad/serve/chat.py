@@ -29,8 +29,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from ..envs.toolcalls import parse_tool_calls
 from ..rollout.chat import end_of_turn_id
+from ._tokens import top_logprobs
 from .chat_requests import ChatPlan, plan_chat, render_prompt
-from .completions import _top_logprobs
 from .errors import RequestError
 from .sessions import Candidate, Sessions
 from .state import ServerState
@@ -60,7 +60,7 @@ def _logprob_entries(state: ServerState, plan: ChatPlan, prompt: List[int], acti
     tok = state.tokenizer
     top = None
     if plan.top_logprobs > 0:
-        top = _top_logprobs(state, plan.logprob_plan(state), prompt, action, False)
+        top = top_logprobs(state, plan.logprob_plan(state), prompt, action, False)
         if len(top) != len(action):
             top = None
     out = []

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from ..envs.toolcalls import format_tool_call
 from ..rollout.chat import prompt_ids
 from .errors import RequestError
-from .requests import Plan, _finite, _neutral
+from ._fields import finite_field, neutral_field
+from .requests import Plan
 from .state import ServerState
 
 __all__ = ["ChatRequest", "ChatPlan", "SamplingRequest", "RewardRequest", "plan_chat", "normalize_messages",
@@ -104,7 +105,7 @@ class ChatPlan:
     call_prefix: str = "call_"  # the prefix of the ids given to parsed tool calls
 
     def logprob_plan(self, state: ServerState) -> Plan:
-        """The completions :class:`~trajgrad.serve.requests.Plan` that ``_top_logprobs`` reads."""
+        """The completions :class:`~trajgrad.serve.requests.Plan` that ``top_logprobs`` reads."""
         return Plan(prompts=[], temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                     max_tokens=self.max_tokens, n=self.n, seed=self.seed, logprobs=self.top_logprobs, echo=False,
                     eos_ids=(), as_ids=False, skip_special=True)
@@ -242,7 +243,7 @@ def canonical_tools(tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict
 
 
 def _sampling(state: ServerState, req, fixed: Optional[Dict[str, Any]]) -> Tuple[float, Optional[int], Optional[float]]:
-    temperature = 1.0 if req.temperature is None else _finite("temperature", req.temperature)
+    temperature = 1.0 if req.temperature is None else finite_field("temperature", req.temperature)
     if temperature < 0:
         raise RequestError(f"temperature: must be >= 0 (0 = greedy), got {req.temperature!r}", param="temperature")
     if 0 < temperature < _MIN_TEMPERATURE:
@@ -250,7 +251,7 @@ def _sampling(state: ServerState, req, fixed: Optional[Dict[str, Any]]) -> Tuple
                            f"greedy, got {req.temperature!r}", param="temperature")
     top_p = None
     if req.top_p is not None:
-        top_p = _finite("top_p", req.top_p)
+        top_p = finite_field("top_p", req.top_p)
         if not 0.0 < top_p <= 1.0:
             raise RequestError(f"top_p: must lie in (0, 1], got {req.top_p!r}", param="top_p")
         top_p = None if top_p == 1.0 else top_p
@@ -281,7 +282,7 @@ def plan_chat(state: ServerState, req, *, fixed_sampling: Optional[Dict[str, Any
                            param="stop")
     for name, neutral in (("presence_penalty", (0, 0.0)), ("frequency_penalty", (0, 0.0)),
                           ("repetition_penalty", (1, 1.0)), ("min_p", (0, 0.0))):
-        _neutral(req, name, neutral)
+        neutral_field(req, name, neutral)
     if req.logit_bias:
         raise RequestError("logit_bias: not supported (the reported log-probs would not describe it)",
                            param="logit_bias")

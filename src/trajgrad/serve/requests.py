@@ -6,11 +6,11 @@ hold their neutral value; unknown fields are refused.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ..rollout.chat import encode
+from ._fields import finite_field, neutral_field
 from .errors import RequestError
 from .state import ServerState
 
@@ -87,26 +87,6 @@ class Plan:
     skip_special: bool
 
 
-def _finite(name: str, v) -> float:
-    try:
-        x = float(v)
-    except OverflowError:
-        raise RequestError(f"{name}: must be finite, got a number too large for a float", param=name) from None
-    if not math.isfinite(x):
-        raise RequestError(f"{name}: must be finite, got {v!r}", param=name)
-    return x
-
-
-def _neutral(req, name: str, neutral: Sequence[Any]) -> None:
-    v = getattr(req, name)
-    if v is not None and v not in neutral:
-        raise RequestError(
-            f"{name}: not supported (the reported log-probs would not describe the distribution); "
-            f"omit it or use {neutral[0]!r}",
-            param=name,
-        )
-
-
 def plan_request(state: ServerState, req) -> Plan:
     if req.model is not None and req.model != state.model_name:
         raise RequestError(f"model: the model `{req.model}` does not exist (this server serves `{state.model_name}`)",
@@ -118,7 +98,7 @@ def plan_request(state: ServerState, req) -> Plan:
         raise RequestError("stop: stop strings are not supported; use stop_token_ids", param="stop")
     for name, neutral in (("presence_penalty", (0, 0.0)), ("frequency_penalty", (0, 0.0)),
                           ("repetition_penalty", (1, 1.0)), ("min_p", (0, 0.0)), ("min_tokens", (0,))):
-        _neutral(req, name, neutral)
+        neutral_field(req, name, neutral)
     if req.logit_bias:
         raise RequestError("logit_bias: not supported (the reported log-probs would not describe it)",
                            param="logit_bias")
@@ -127,7 +107,7 @@ def plan_request(state: ServerState, req) -> Plan:
     if req.best_of is not None and req.best_of != req.n:
         raise RequestError("best_of: only best_of == n (or omitted) is supported", param="best_of")
 
-    temperature = 1.0 if req.temperature is None else _finite("temperature", req.temperature)
+    temperature = 1.0 if req.temperature is None else finite_field("temperature", req.temperature)
     if temperature < 0:
         raise RequestError(f"temperature: must be >= 0 (0 = greedy), got {req.temperature!r}", param="temperature")
     if 0 < temperature < _MIN_TEMPERATURE:
@@ -139,7 +119,7 @@ def plan_request(state: ServerState, req) -> Plan:
         )
     top_p = None
     if req.top_p is not None:
-        top_p = _finite("top_p", req.top_p)
+        top_p = finite_field("top_p", req.top_p)
         if not 0.0 < top_p <= 1.0:
             raise RequestError(f"top_p: must lie in (0, 1], got {req.top_p!r}", param="top_p")
         if top_p == 1.0:

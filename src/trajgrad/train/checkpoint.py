@@ -42,8 +42,8 @@ rename and the pointer's write), :func:`latest_checkpoint` falls back to the new
 complete checkpoint.
 
 One process writes a given ``run_dir`` (rank 0 in a distributed run). The file-level
-helpers live in :mod:`trajgrad.train.checkpoint_files`, the state capture in
-:mod:`trajgrad.train.checkpoint_state`.
+helpers live in :mod:`trajgrad.train._checkpoint_files`, the state capture in
+:mod:`trajgrad.train._checkpoint_state`.
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ from typing import Any, Dict, Mapping, NamedTuple, Optional
 import numpy as np
 import torch
 
-from . import checkpoint_files as F
-from . import checkpoint_state as S
-from .checkpoint_files import CorruptCheckpoint
+from . import _checkpoint_files as F
+from . import _checkpoint_state as S
+from ._checkpoint_files import CorruptCheckpoint
 from ..weights import file_tensors, module_state, module_state_loader
 
 __all__ = [

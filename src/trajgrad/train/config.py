@@ -21,6 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from typing_extensions import Annotated
 
 from ..objective import Objective, get_recipe
+from ._dotted import set_dotted
+from .config_checks import check_config, check_effective, user_keys
+from .config_yaml import parse_overrides, parse_yaml  # noqa: F401  (parse_overrides: part of this module's API)
+from .presets import PRESETS
 
 
 class _Strict(BaseModel):
@@ -413,11 +417,6 @@ def _max_turns_hint(cfg: Config) -> int:
     return int(cfg.task.options.get("max_turns", 4))
 
 
-# ---------------------------------------------------------------------- presets, YAML (their own modules)
-from .config_yaml import parse_overrides, parse_yaml  # noqa: E402,F401
-from .presets import PRESETS  # noqa: E402
-
-
 def _deep_update(base: Dict[str, Any], upd: Dict[str, Any]) -> Dict[str, Any]:
     for k, v in upd.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in ("options", "overrides"):
@@ -427,16 +426,6 @@ def _deep_update(base: Dict[str, Any], upd: Dict[str, Any]) -> Dict[str, Any]:
         else:
             base[k] = v
     return base
-
-
-def _set_dotted(d: Dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    cur = d
-    for p in parts[:-1]:
-        if p not in cur or not isinstance(cur[p], dict):
-            cur[p] = {}
-        cur = cur[p]
-    cur[parts[-1]] = value
 
 
 def _format_error(exc: ValidationError) -> str:
@@ -454,8 +443,6 @@ def _format_error(exc: ValidationError) -> str:
 
 def build_config(data: Dict[str, Any]) -> Config:
     """Validate ``data`` (schema, then :func:`trajgrad.train.config_checks.check_config`)."""
-    from .config_checks import check_config
-
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping of sections, got {type(data).__name__}")
     if data.get("tasks") is not None and not _default_task(data.get("task")):
@@ -493,8 +480,6 @@ def load_config(
     Every key set by the YAML file or the overrides is also checked for effect
     (:func:`trajgrad.train.config_checks.check_effective`).
     """
-    from .config_checks import check_effective, user_keys
-
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)}")
     data: Dict[str, Any] = {}
@@ -536,7 +521,7 @@ def load_config(
     for key, value in (overrides or {}).items():
         if key == "task.name" and value != (data.get("task") or {}).get("name") and "task.options" not in (overrides or {}):
             data = _fresh_task_options(data, {"name": value})
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
         keys += user_keys(value, key)
     if data.get("tasks") is not None:  # several environments: a preset's task section is not the user's
         if any(k == "task" or k.startswith("task.") for k in keys):

@@ -29,7 +29,16 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from ..logprobs.correction import RolloutCorrection
+from ..envs import available_task_sources, calculator as calc, get_task_source
+from ..envs.base import registered_task_source
+from ..envs.latency import with_latency
+from ..model.pretrained import resolve_model_path
+from ..objective import Objective, RECIPES
+from .mixture_checks import check_mixture
+from ..serve.proxy import check_proxy_config
 from .task_checks import check_demonstrations, check_heldout
+from .tracking import missing_backends
 
 __all__ = ["check_config", "check_effective", "user_keys"]
 
@@ -76,8 +85,6 @@ def _split_field_message(msg: str, fields: Iterable[str]) -> tuple[Optional[str]
 
 
 def _check_recipe(cfg, errors: _Errors):
-    from ..objective import RECIPES, Objective
-
     name = cfg.recipe.name
     if name not in RECIPES:
         errors.add("recipe.name", f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
@@ -116,8 +123,6 @@ def _check_recipe(cfg, errors: _Errors):
 def _check_rollout_correction(value: Dict[str, Any], errors: _Errors) -> bool:
     """``recipe.overrides.rollout_correction``: known keys, strict types, then the setting's own
     validation, each error under ``recipe.overrides.rollout_correction.<key>``."""
-    from ..logprobs.correction import RolloutCorrection
-
     prefix = "recipe.overrides.rollout_correction"
     hints = typing.get_type_hints(RolloutCorrection)
     ok = True
@@ -161,8 +166,6 @@ def _check_tiny(prefix: str, tiny, errors: _Errors) -> None:
 
 def _check_path(key: str, path: str, errors: _Errors) -> None:
     """The checkpoint ``path`` resolves (directory or cached hub id; files only, nothing loaded)."""
-    from ..model.pretrained import resolve_model_path
-
     try:
         resolve_model_path(path, key=key)
     except ValueError as exc:
@@ -201,8 +204,6 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
                    "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
     if cfg.rollout.backend == "proxy":
-        from ..serve.proxy import check_proxy_config
-
         check_proxy_config(cfg, errors.add)
 
 
@@ -224,10 +225,6 @@ def _calculator_capacity(source, split: str) -> Optional[int]:
     """Distinct tasks of ``split`` the calculator source can generate: the exact count when the
     expression space is small enough to enumerate, else minus the expected count; None when
     the source is not the calculator."""
-    try:
-        from ..envs import calculator as calc
-    except ImportError:  # pragma: no cover
-        return None
     if not isinstance(source, calc.CalculatorSource):
         return None
     c = source.config
@@ -300,8 +297,6 @@ _HEAD = re.compile(r"^([A-Za-z_]\w*(?:\.\w+|\[[^\]]*\])*):\s*(.*)$", re.DOTALL)
 
 
 def _build_source(cfg, errors: _Errors, fields: Dict[str, Any]):
-    from ..envs import get_task_source
-
     name, options = cfg.task.name, cfg.task.options
     try:
         return get_task_source(name, **options)
@@ -320,9 +315,6 @@ def _build_source(cfg, errors: _Errors, fields: Dict[str, Any]):
 
 
 def _check_task(cfg, errors: _Errors) -> None:
-    from ..envs import available_task_sources, get_task_source
-    from ..envs.base import _REGISTRY
-
     if not _check_dataset_keys(cfg, errors):
         return
     name, options = cfg.task.name, cfg.task.options
@@ -332,7 +324,7 @@ def _check_task(cfg, errors: _Errors) -> None:
             errors.add("task.name", f"unknown task source {name!r}; available: {', '.join(available_task_sources())}; "
                        "or 'package.module:factory'")
             return
-        options_class = getattr(_REGISTRY.get(name), "options_class", None)  # sources that need options
+        options_class = getattr(registered_task_source(name), "options_class", None)  # sources that need options
         if options_class is not None:
             fields = typing.get_type_hints(options_class)
         else:
@@ -385,8 +377,6 @@ def _check_task(cfg, errors: _Errors) -> None:
         errors.add("task.name", f"rendering the tasks of {name!r} raised {type(exc).__name__}: {_one_line(exc)}")
     lat = cfg.asynchronous.env_latency
     if lat is not None:
-        from ..envs.latency import with_latency
-
         try:
             with_latency(source, lat)
         except ValueError as exc:
@@ -399,8 +389,6 @@ def _check_tasks(cfg, obj, errors: _Errors) -> None:
     """``tasks:`` (several environments): each entry checked as a ``task:`` would be, its keys under
     ``tasks[i]``; then the mixture's own rules (:func:`trajgrad.train.mixture_checks.check_mixture`)."""
     from types import SimpleNamespace
-
-    from .mixture_checks import check_mixture
 
     typed_bad = set()  # keys already reported with a bad type: not again by the objective's own check
     for i, entry in enumerate(cfg.tasks):
@@ -425,8 +413,6 @@ def _check_tasks(cfg, obj, errors: _Errors) -> None:
 
 
 def _check_log_dist(cfg, errors: _Errors) -> None:
-    from .tracking import missing_backends
-
     if len(set(cfg.log.backends)) != len(cfg.log.backends):
         errors.add("log.backends", f"lists a backend twice (got {cfg.log.backends!r})")
     for name, package in missing_backends(cfg.log.backends):
@@ -493,8 +479,6 @@ def _changed(cfg, key: str, default_cfg) -> bool:
 def _off_value(cfg, field: str) -> bool:
     """``recipe.overrides.<field>`` is given as the Objective's own default (the value that
     turns the field's feature off, e.g. ``kl_coef: 0``)."""
-    from ..objective import Objective
-
     default = {f.name: f.default for f in dataclasses.fields(Objective)}.get(field, dataclasses.MISSING)
     value = cfg.recipe.overrides.get(field, dataclasses.MISSING)
     return (default is not dataclasses.MISSING and value is not dataclasses.MISSING
@@ -503,10 +487,8 @@ def _off_value(cfg, field: str) -> bool:
 
 def check_effective(cfg, keys: Iterable[str]) -> None:
     """Refuse user-set keys (``keys``, dotted) whose non-default values have no effect."""
-    from .config import Config
-
     errors = _Errors()
-    default = Config()
+    default = type(cfg)()  # the Config defaults
     obj = cfg.objective()
     keys = list(dict.fromkeys(keys))
     rules = [

@@ -21,6 +21,11 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from pydantic import BaseModel
 
+from ..envs.adapters.gym import GymSource
+from ..envs.adapters.verifiers import VerifiersSource
+from ..envs.calculator import CalculatorConfig
+from ..envs.dataset import DatasetConfig
+from ..envs.guess import GuessConfig
 from ..objective import RECIPES, Objective
 from .config import Config
 
@@ -143,10 +148,6 @@ def _recipes_reading(field: str) -> str:
 
 def _task_option_classes() -> List[Tuple[str, type]]:
     """(source name, options dataclass) of the built-in task sources that declare one."""
-    from ..envs.calculator import CalculatorConfig
-    from ..envs.dataset import DatasetConfig
-    from ..envs.guess import GuessConfig
-
     return [("calculator", CalculatorConfig), ("guess", GuessConfig), ("dataset", DatasetConfig)]
 
 
@@ -161,9 +162,6 @@ _ADAPTER_DOCS = {
 
 
 def _adapter_rows() -> List[Tuple[str, ...]]:
-    from ..envs.adapters.gym import GymSource
-    from ..envs.adapters.verifiers import VerifiersSource
-
     rows = []
     for cls, skip in ((GymSource, {"make", "first"}), (VerifiersSource, {"env"})):
         hints = typing.get_type_hints(cls.__init__)

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from .config import Config, load_config
+from .learning_signal import episode_rewards, signal_facts, signal_kind
 from .loop import progress_bar
 from .seeding import step_seed
-from .learning_signal import episode_rewards, signal_facts, signal_kind
 from ..stats import mean_ci, wilson_interval
+from .trainer import Trainer
 
 DEFAULT_GROUPS = 16
 CHUNK_PROMPTS = 4  # prompts per batched rollout call: the budget is checked between calls
@@ -87,8 +88,6 @@ def doctor(path: Optional[Path | str] = None, *, preset: Optional[str] = None,
            console=print) -> Dict[str, Any]:
     """Sample the base policy as ``trajgrad train`` would and measure it; the facts, with
     ``seconds`` (wall time) and the sampling settings. ``console`` receives progress lines."""
-    from .trainer import Trainer
-
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups: must be an integer >= 1, got {groups!r}")
     t0 = time.perf_counter()

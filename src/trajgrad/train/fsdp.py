@@ -46,6 +46,8 @@ import torch
 from torch import nn
 
 from .. import distributed as dist_lib
+from ..model.parts import causal_parts
+from ..weights.state import is_peft
 
 __all__ = [
     "is_sharded",
@@ -88,9 +90,6 @@ def is_fsdp_model(model: nn.Module) -> bool:
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
     """The decoder layers of a Hugging Face causal LM (``model.model.layers``)."""
-    from ..model.parts import causal_parts
-    from ..weights.state import is_peft
-
     if is_peft(model):
         raise ValueError("dist.fsdp: shards full fine-tuning; a LoRA model keeps replicated adapters "
                          "(set model.lora: null, or dist.fsdp: false)")

@@ -36,6 +36,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .tracking import build_sinks
+
 __all__ = ["MetricsLogger", "read_metrics", "METRICS_FILE", "RESERVED_KEYS"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -209,8 +211,6 @@ class MetricsLogger:
         """The logger of a run with :class:`~trajgrad.train.config.Config` ``cfg``: TensorBoard
         when ``log.tensorboard`` or ``"tensorboard"`` in ``log.backends``, and a sink for each
         of wandb / mlflow / trackio in ``log.backends`` (offline, under ``run_dir``)."""
-        from .tracking import build_sinks
-
         log = cfg.log
         sinks = build_sinks(log.backends, run_dir, project=log.project, run_name=cfg.name,
                             config=cfg.model_dump(mode="json"))

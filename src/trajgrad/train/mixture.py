@@ -38,7 +38,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..advantages.baselines import GroupAdvantages
-from ..objective import Objective
+from ..envs import get_task_source
+from ..objective import Objective, explain, sections
 from ..registry import ADVANTAGE_ESTIMATORS
 from .collect import STAT_KEYS, collect_groups, next_in_order
 from .heldout import distinct_tasks, heldout_problem
@@ -149,7 +150,6 @@ class Mixture:
         """None for a run with one ``task:``."""
         if cfg.tasks is None:
             return None
-        from ..envs import get_task_source
 
         members = []
         for i, entry in enumerate(cfg.tasks):
@@ -250,8 +250,6 @@ def explain_config(cfg) -> str:
     """``trajgrad explain CONFIG``: the config's objective; with ``tasks:`` the environments, then
     each part of the objective that differs between them per environment, then the parts they share
     (from the same :class:`~trajgrad.objective.Objective` objects the loss and advantages use)."""
-    from ..objective import explain, sections
-
     base = cfg.objective()
     if cfg.tasks is None:
         return explain(base)

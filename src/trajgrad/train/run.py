@@ -8,7 +8,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .asynchronous import AsyncTrainer
 from .config import Config, load_config
+from .config_sources import recipe_defaults_line
+from .mixture import explain_config
+from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
+from .trainer import Trainer
 
 
 def _rank() -> int:
@@ -84,10 +89,6 @@ def main(
 
 def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_config_change, checkpoint) -> int:
     """:func:`main`'s body; the run directory's locks are appended to ``locks``."""
-    from .config_sources import recipe_defaults_line
-    from .mixture import explain_config
-    from .rundir import check_new_run_dir, check_resume, commit_resume, create_run_dir, lock_existing_run_dir
-
     plan = None
     if resume is not None:
         if overwrite:
@@ -111,7 +112,6 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
             locks.append(lock_existing_run_dir(out_dir))  # a run still writing there is refused, even with --overwrite
             check_new_run_dir(out_dir, overwrite=overwrite)
     objective_text = explain_config(cfg)  # with tasks: each environment's objective where they differ
-    from .trainer import Trainer
 
     # every check passed: from here on the run directory is written
     new_dir = None
@@ -130,8 +130,6 @@ def _main(locks, config, preset, overrides, resume, run_dir, overwrite, allow_co
     _console(recipe_defaults_line(cfg))
     try:
         if cfg.asynchronous.enabled:
-            from .asynchronous import AsyncTrainer
-
             trainer = AsyncTrainer(cfg, out_dir, resume=plan is not None, console=_console)
         else:
             trainer = Trainer(cfg, out_dir, resume=plan is not None, console=_console)

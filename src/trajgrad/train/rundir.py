@@ -34,8 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import checkpoint_files as F
+from . import _checkpoint_files as F
+from ._dotted import set_dotted
 from .checkpoint import list_checkpoints, newest_intact_checkpoint, verify_checkpoint
+from .config import build_config, load_config
+from .config_checks import check_effective, user_keys
 from .runlock import LOCK_FILE, RunDirLock, lock_run_dir
 
 __all__ = [
@@ -249,9 +252,6 @@ def _saved_config(run_dir: Path):
 
 def _requested(run_dir: Path, reference: Dict[str, Any], config, preset, overrides):
     """The config the user asks the resumed run to use."""
-    from .config import _set_dotted, build_config, load_config
-    from .config_checks import check_effective, user_keys
-
     if config is not None or preset is not None:
         return load_config(config, preset=preset, overrides=overrides)
     cfg_file = run_dir / "config.json"
@@ -262,7 +262,7 @@ def _requested(run_dir: Path, reference: Dict[str, Any], config, preset, overrid
         except (OSError, ValueError) as exc:
             raise ValueError(f"resume: {cfg_file} is unreadable ({exc})") from None
     for key, value in (overrides or {}).items():
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     try:
         cfg = build_config(data)
     except ValueError as exc:

@@ -12,14 +12,21 @@ from typing import Callable, Optional
 import torch
 
 from ..control import LagrangeMultiplier
+from ..envs import get_task_source
+from ..model.build import build_model, build_policy_model
+from ..model.parts import causal_parts
+from ..model.smollm2 import load_smollm2
+from ..model.tiny import build_tiny_model
+from ..model.value_head import CriticModel, ValueHead
 from ..objective import Objective
 from ..rollout import HFSampler
-from .config import Config
-from .heldout import heldout_key, select_heldout
-from ..model.build import build_policy_model
-from ..model.parts import causal_parts
-from ..model.value_head import CriticModel, ValueHead
+from ..rollout.openai_backend import OpenAISampler
+from ..rollout.vllm_sampler import VLLMSampler
 from ..weights import ReferenceModel
+from .config import Config
+from .fsdp import shard_model
+from .heldout import heldout_key, select_heldout
+from ..serve.proxy import build_proxy_sampler
 from .updates import LearnerState
 
 
@@ -27,8 +34,6 @@ def build_tasks(cfg: Config, console: Callable[[str], None] = lambda _m: None):
     """(task source, training tasks, held-out tasks): the held-out ones distinct
     (:func:`~trajgrad.train.heldout.select_heldout`); ``console`` gets the source's notes
     (e.g. an adapter's turn limit) and the held-out count."""
-    from ..envs import get_task_source
-
     source = get_task_source(cfg.task.name, **cfg.task.options)
     train = source.tasks("train", cfg.task.n_train, cfg.task.seed)
     heldout, line = select_heldout(cfg, source, source.tasks("heldout", heldout_key(cfg)[1], cfg.task.seed))
@@ -55,7 +60,6 @@ def build_reference(cfg: Config, tokenizer) -> Optional[ReferenceModel]:
     ``model.path``), or None: pi_ref is then the policy as RL starts (snapshotted later)."""
     if cfg.reference.path is None:
         return None
-    from ..model.build import build_model
 
     ref, ref_tok = build_model(path=cfg.reference.path, dtype=_dtype(cfg), key="reference.path")
     _same_vocabulary("reference.path", cfg.reference.path, ref_tok, tokenizer,
@@ -68,7 +72,6 @@ def build_critic(cfg: Config, model, tokenizer) -> torch.nn.Module:
     a :class:`CriticModel` (that checkpoint's backbone, in the policy's dtype, and a value head)."""
     if cfg.critic.path is None:
         return ValueHead(causal_parts(model)[1].weight.shape[1])
-    from ..model.build import build_model
 
     backbone, critic_tok = build_model(path=cfg.critic.path, dtype=_dtype(cfg), key="critic.path", train=True)
     _same_vocabulary("critic.path", cfg.critic.path, critic_tok, tokenizer,
@@ -83,8 +86,6 @@ def build_learner(cfg: Config, objective: Objective):
     attached afterwards (:func:`build_teacher` needs the SFT step)."""
     model, tokenizer = build_policy_model(cfg.model)
     if cfg.dist.fsdp:  # before the optimizer: it must hold the sharded parameters
-        from .fsdp import shard_model
-
         model = shard_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
@@ -116,10 +117,6 @@ def build_teacher(cfg: Config, tokenizer, sft: Callable, console=print) -> torch
     ``max(50, 2 * sft.steps)`` steps with ``sft(steps, batch_size, lr, model=...,
     seed_salt=...)``; the student then distils it).
     """
-    from ..model.build import build_model
-    from ..model.smollm2 import load_smollm2
-    from ..model.tiny import build_tiny_model
-
     tc = cfg.teacher
     dtype = _dtype(cfg)
     if tc.path is not None:
@@ -156,12 +153,8 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
     """
     s = cfg.sampling
     if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.serve.proxy)
-        from ..serve.proxy import build_proxy_sampler
-
         return build_proxy_sampler(cfg, model, tokenizer, policy_version, run_dir=run_dir)
     if cfg.rollout.backend == "openai":
-        from ..rollout.openai_backend import OpenAISampler
-
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
         if cfg.rollout.server == "sglang":
@@ -173,8 +166,6 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
                                 server=cfg.rollout.server)
     elif cfg.rollout.backend == "vllm":
         from pathlib import Path
-
-        from ..rollout.vllm_sampler import VLLMSampler
 
         v = cfg.rollout.vllm
         sampler = VLLMSampler(model, tokenizer, work_dir=Path(work_dir if work_dir is not None else "vllm"),

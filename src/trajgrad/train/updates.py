@@ -39,7 +39,7 @@ from ..weights import ReferenceWeights
 from ..model.learner import head_inputs, learner_logprobs
 from ..model.value_head import ValueHead
 from . import fsdp, tokenlog
-from .checkpoint_state import entropy_coef_state, set_entropy_coef_state
+from ._checkpoint_state import entropy_coef_state, set_entropy_coef_state
 from .update_metrics import correction_metrics, sampler_learner_metrics
 
 

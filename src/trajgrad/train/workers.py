@@ -24,6 +24,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..envs import get_task_source
+from ..envs.latency import with_latency
+from ..model.build import build_policy_model
 from ..rollout import HFSampler
 from ..runtime.allocator import keep_freed_memory
 from .config import build_config
@@ -89,9 +92,6 @@ class RolloutWorker:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         if torch_threads:
             torch.set_num_threads(int(torch_threads))
-        from ..envs import get_task_source
-        from ..envs.latency import with_latency
-        from ..model.build import build_policy_model
 
         cfg = build_config(dict(cfg_data))
         self.cfg = cfg

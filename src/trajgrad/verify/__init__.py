@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ..objective import Objective, get_recipe
-from ._common import Check, VerifyReport
+from ._common import Check, VerifyReport, max_deviation
 from .distill import verify_distill
 from .logprobs import verify_logprobs
 from .pairwise import verify_pairwise
@@ -106,5 +106,5 @@ def load_callable(spec: str) -> Callable:
     return fn
 
 
-__all__ = ["verify", "VerifyReport", "Check", "load_callable", "verify_policy", "verify_pairwise", "verify_distill",
-           "verify_logprobs"]
+__all__ = ["verify", "VerifyReport", "Check", "max_deviation", "load_callable", "verify_policy", "verify_pairwise",
+           "verify_distill", "verify_logprobs"]

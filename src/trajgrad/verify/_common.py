@@ -75,7 +75,9 @@ def _poison(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), x, fill)
 
 
-def _maxdev(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_deviation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` over all elements (0.0 when empty): the ``max_deviation`` a :class:`Check` reports;
+    ``inf`` when the shapes differ or any difference is not finite (a NaN never reads as agreement)."""
     if a.shape != b.shape:
         return float("inf")
     d = (a - b).abs()

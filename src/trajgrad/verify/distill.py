@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ._common import Check, VerifyReport, _maxdev, _ragged_mask, _scalar
+from ._common import Check, VerifyReport, max_deviation, _ragged_mask, _scalar
 
 def verify_distill(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
     gen = torch.Generator().manual_seed(seed)
@@ -26,7 +26,7 @@ def verify_distill(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
         rv = recipe.distill_loss(student_logits=s2, teacher_logits=t, mask=mask).loss
         (rg,) = torch.autograd.grad(rv, s2)
         for name, a, b in (("value", v.detach(), rv.detach()), ("gradient", g, rg)):
-            d = _maxdev(a, b)
+            d = max_deviation(a, b)
             worst[name] = max(worst[name], d)
             ok[name] &= d <= atol + rtol * float(b.abs().max())
         mb = mask.bool()[..., None].expand_as(s)
@@ -35,7 +35,8 @@ def verify_distill(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
         try:
             v3 = _scalar(loss_fn(s3, t3, mask))
             (g3,) = torch.autograd.grad(v3, s3)
-            d = max(_maxdev(v3.detach(), v.detach()), _maxdev(torch.where(mb, g3, 0.0), torch.where(mb, g, 0.0)))
+            d = max(max_deviation(v3.detach(), v.detach()),
+                    max_deviation(torch.where(mb, g3, 0.0), torch.where(mb, g, 0.0)))
         except Exception:
             d = math.inf
         worst["masked_nan"] = max(worst["masked_nan"], d)

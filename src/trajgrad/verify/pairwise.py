@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ._common import Check, VerifyReport, _maxdev, _scalar
+from ._common import Check, VerifyReport, max_deviation, _scalar
 
 def verify_pairwise(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
     gen = torch.Generator().manual_seed(seed)
@@ -23,7 +23,7 @@ def verify_pairwise(loss_fn, recipe, *, seed, atol, rtol) -> VerifyReport:
             return VerifyReport(recipe.name, [Check("value", False, math.inf, f"loss_fn raised {type(exc).__name__}: {exc}")])
         rv = recipe.dpo_loss(b[0], b[1], xs[2], xs[3]).loss
         gb = torch.autograd.grad(rv, b)
-        dv, dg = _maxdev(v.detach(), rv.detach()), max(_maxdev(ga[0], gb[0]), _maxdev(ga[1], gb[1]))
+        dv, dg = max_deviation(v.detach(), rv.detach()), max(max_deviation(ga[0], gb[0]), max_deviation(ga[1], gb[1]))
         worst_v, worst_g = max(worst_v, dv), max(worst_g, dg)
         ok_v &= dv <= atol + rtol * abs(float(rv.detach()))
         ok_g &= dg <= atol + rtol * float(max(gb[0].abs().max(), gb[1].abs().max()))

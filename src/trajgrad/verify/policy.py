@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..aggregate import Normalizer
-from ._common import Check, VerifyReport, _accepts, _maxdev, _poison, _ragged_mask, _scalar
+from ._common import Check, VerifyReport, _accepts, max_deviation, _poison, _ragged_mask, _scalar
 
 F64 = torch.float64
 NOTES = {
@@ -157,30 +157,30 @@ def verify_policy(
             return VerifyReport(recipe.name, [Check("value", False, math.inf, f"loss_fn {errors['value']}")])
         v, g = got
         rv, rg = _call(ref_fn, batch)
-        record("value", _maxdev(v, rv), tol(rv))
-        record("gradient", _maxdev(g, rg), tol(rg))
+        record("value", max_deviation(v, rv), tol(rv))
+        record("gradient", max_deviation(g, rg), tol(rg))
         on = dict(batch, old_logp=batch["logp"].clone())
         got = attempt("ratio_one", lambda: _call(loss_fn, on))
         if got is not None:
             rv1, rg1 = _call(ref_fn, on)
-            record("ratio_one", max(_maxdev(got[0], rv1), _maxdev(got[1], rg1)), tol(rg1) + tol(rv1))
+            record("ratio_one", max(max_deviation(got[0], rv1), max_deviation(got[1], rg1)), tol(rg1) + tol(rv1))
         m = batch["mask"].bool()
         poisoned = {k: (_poison(x, batch["mask"]) if k != "mask" else x) for k, x in batch.items()}
         got = attempt("masked_nan", lambda: _call(loss_fn, poisoned))
         if got is not None:
             vp, gp = got
             gp = torch.where(m, gp, 0.0) if torch.isfinite(gp).all() else gp
-            record("masked_nan", max(_maxdev(vp, v), _maxdev(gp, torch.where(m, g, 0.0))), tol(g))
+            record("masked_nan", max(max_deviation(vp, v), max_deviation(gp, torch.where(m, g, 0.0))), tol(g))
         record("masked_grad", float(g[~m].abs().max()) if (~m).any() else 0.0, 0.0)
         pad = {k: torch.nn.functional.pad(x, (0, 3, 0, 2), value=0.0) for k, x in batch.items()}
         perm = torch.randperm(B + 2, generator=gen)
         got = attempt("padding", lambda: _call(loss_fn, {k: x[perm] for k, x in pad.items()}))
         if got is not None:
-            record("padding", _maxdev(got[0], v), tol(v))
+            record("padding", max_deviation(got[0], v), tol(v))
         zero_adv = dict(batch, advantages=torch.zeros_like(batch["advantages"]))
         got = attempt("zero_advantage", lambda: _call(loss_fn, zero_adv))
         if got is not None:  # zero without a KL term; the KL term's gradient alone with it
-            record("zero_advantage", _maxdev(got[1], _call(ref_fn, zero_adv)[1]), atol)
+            record("zero_advantage", max_deviation(got[1], _call(ref_fn, zero_adv)[1]), atol)
         if B >= 2:
             cut = max(1, B // 3)
             parts = [{k: x[:cut] for k, x in batch.items()}, {k: x[cut:] for k, x in batch.items()}]
@@ -194,7 +194,7 @@ def verify_policy(
             if outs is not None:
                 total = sum(o[0] for o in outs) * scale
                 grads = torch.cat([o[1] for o in outs], 0) * scale
-                record(dist_check, max(_maxdev(total, v), _maxdev(grads, g)), tol(g) + tol(v))
+                record(dist_check, max(max_deviation(total, v), max_deviation(grads, g)), tol(g) + tol(v))
         if B >= 2 and "zero_rows" in names:
             _zero_rows_check(loss_fn, recipe, batch, has_den, attempt, record, tol)
     far = _batch(gen, 6, 40, recipe, include_kl)
@@ -202,14 +202,15 @@ def verify_policy(
     got = attempt("off_policy", lambda: _call(loss_fn, far))
     if got is not None:
         rvf, rgf = _call(ref_fn, far)
-        record("off_policy", max(_maxdev(got[0], rvf), _maxdev(got[1], rgf)), tol(rgf) + tol(rvf))
+        record("off_policy", max(max_deviation(got[0], rvf), max_deviation(got[1], rgf)), tol(rgf) + tol(rvf))
     long = _long_batch(gen, recipe, include_kl)
     got = attempt("long_sequence", lambda: _call(loss_fn, long))
     if got is not None:
         rvl, rgl = _call(ref_fn, long)
         vl, gl = got
         finite = bool(torch.isfinite(vl)) and bool(torch.isfinite(gl).all())
-        record("long_sequence", max(_maxdev(vl, rvl), _maxdev(gl, rgl)) if finite else math.inf, tol(rgl) + tol(rvl))
+        worst = max(max_deviation(vl, rvl), max_deviation(gl, rgl)) if finite else math.inf
+        record("long_sequence", worst, tol(rgl) + tol(rvl))
         if not finite:
             errors["long_sequence"] = "non-finite loss or gradient"
 
@@ -239,7 +240,7 @@ def _zero_rows_check(loss_fn, recipe, batch, has_den, attempt, record, tol) -> N
         part = attempt("zero_rows", lambda: _call(loss_fn, {k: x[~still] for k, x in zb.items()}, **kw))
         if part is None:
             return
-        d = max(d, _maxdev(part[0], v), _maxdev(part[1], g[~still]))
+        d = max(d, max_deviation(part[0], v), max_deviation(part[1], g[~still]))
     record("zero_rows", d, tol(g) + tol(v))
 
 

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .pagedata import CHANNELS, detail_lookup, page_data
+from .plot import plot_run
 from .rundir import RunFiles, read_run
+from .server import serve
 from .template import render_html
 
-__all__ = ["CHANNELS", "RunFiles", "read_run", "page_data", "render_html", "build_page", "write_view", "serve_view"]
+__all__ = ["CHANNELS", "RunFiles", "read_run", "page_data", "render_html", "build_page", "write_view", "serve_view", "plot_run"]
 
 DEFAULT_MAX_EPISODES = 5000
 DEFAULT_MAX_TOKENS = 300_000
@@ -47,8 +49,6 @@ def serve_view(run_dir, *, port: int = 8765, max_episodes: int = DEFAULT_MAX_EPI
                max_tokens: int = DEFAULT_MAX_TOKENS, max_requests: Optional[int] = None, console=print,
                environment: Optional[str] = None) -> None:
     """Serve the page on ``127.0.0.1:port`` until Ctrl-C; rows without embedded detail load on demand."""
-    from .server import serve
-
     page, run = build_page(run_dir, max_episodes=max_episodes, max_tokens=max_tokens, serve=True,
                            environment=environment)
     serve(page, detail_lookup(run, max_episodes=max_episodes), port=port, max_requests=max_requests, console=console)

@@ -31,6 +31,8 @@ import math
 from typing import Any, Dict, List, Optional
 
 from ..rollout.trajectory import Trajectory
+from ..train.config import build_config
+from ..train.mixture import explain_config
 from .rundir import RunFiles
 from .text import build_tokenizer, token_texts
 
@@ -67,9 +69,6 @@ def objective_text(config: Optional[Dict[str, Any]]) -> str:
     if config is None:
         return "(no config.json in the run directory: the objective is unknown)"
     try:
-        from ..train.config import build_config
-        from ..train.mixture import explain_config  # with tasks: each environment's objective where they differ
-
         return explain_config(build_config(config))
     except Exception as exc:  # an old or foreign config: say so on the page
         return f"(the run's config does not build an objective here: {' '.join(str(exc).split())[:300]})"

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+from ..model.smollm2 import cache_root
+from ..model.tokenizer import build_char_tokenizer
+
 __all__ = ["build_tokenizer", "token_texts"]
 
 
@@ -17,13 +20,9 @@ def build_tokenizer(config: Optional[Dict[str, Any]]) -> Tuple[Optional[Any], st
     """``(tokenizer or None, one line saying which)`` for a run's config dict."""
     name = ((config or {}).get("model") or {}).get("name")
     if name == "tiny":
-        from ..model.tokenizer import build_char_tokenizer
-
         return build_char_tokenizer(), "tokenizer: the tiny model's character tokenizer"
     if name == "smollm2":
         try:
-            from ..model.smollm2 import cache_root
-
             cache = cache_root() / "smollm2"
             if not (cache / "tokenizer.json").is_file() and not (cache / "tokenizer_config.json").is_file():
                 return None, f"tokenizer: SmolLM2's is not cached in {cache} (token ids shown)"

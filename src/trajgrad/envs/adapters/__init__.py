@@ -8,16 +8,21 @@
 :func:`as_task_source` picks the adapter for an object a ``task.name`` factory returned (an
 object with ``tasks(split, n, seed)`` alone is a task list: enough for ``rollout.backend:
 proxy``, where the agent is the environment);
-each adapter module imports its library only when used.
+each adapter module imports its library only when used (its functions import it).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-__all__ = ["as_task_source"]
+from .gym import GymSource
+from .verifiers import VerifiersSource
+
+__all__ = ["as_task_source", "is_task_source"]
 
 
-def _is_task_source(obj: Any) -> bool:
+def is_task_source(obj: Any) -> bool:
+    """Whether ``obj`` is a trajgrad task source as it is: it has callable ``tasks`` and ``make_env``
+    (:class:`~trajgrad.envs.base.TaskSource`; :func:`as_task_source` returns such an object unchanged)."""
     return all(callable(getattr(obj, a, None)) for a in ("tasks", "make_env"))
 
 
@@ -41,18 +46,14 @@ def as_task_source(obj: Any, *, remake: Optional[Callable[[], Any]] = None, **op
     Raises:
       ValueError: starting with ``name:`` when nothing can adapt ``obj``.
     """
-    if _is_task_source(obj):
+    if is_task_source(obj):
         if options:
             raise ValueError(f"adapter: {type(obj).__name__} is a task source; adapter options "
                              f"{sorted(options)} have no effect")
         return obj
     if _has_base(obj, "gymnasium", "Env"):
-        from .gym import GymSource
-
         return GymSource(remake if remake is not None else (lambda: obj), first=obj, **options)
     if _has_base(obj, "verifiers", "Env") or _has_base(obj, "verifiers", "Taskset"):
-        from .verifiers import VerifiersSource
-
         return VerifiersSource(obj, **options)
     if callable(getattr(obj, "tasks", None)):  # tasks only: enough where the agent is the environment (proxy)
         if options:

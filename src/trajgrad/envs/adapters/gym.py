@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from ..base import Message, StepResult, Task
+from ..task import Message, StepResult, Task
 
 __all__ = ["GymEnvironment", "GymSource", "DEFAULT_MAX_TURNS"]
 

@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 from typing import Any, List, Optional
 
-from ..base import Message, StepResult, Task
+from ..task import Message, StepResult, Task
 from ..splits import hash_split, take
 
 __all__ = ["VerifiersEnvironment", "VerifiersSource"]
