@@ -134,6 +134,9 @@ class OpenAIBackend:
         self._context_limit = None if max_context_tokens is None else int(max_context_tokens)
         self._context_known = max_context_tokens is not None
         self.loaded_adapter: Optional[str] = None  # vLLM: the adapter the last sync loaded
+        self.loaded_adapters: List[str] = []  # vLLM: the adapters still loaded, oldest first
+        self.keep_adapters = 0  # vLLM: older adapters kept loaded after a sync (weight_sync.load_vllm_adapter)
+        self.prefix_cache_kept = 0  # vLLM: LoRA syncs whose prefix-cache reset the server refused
         if client is None:
             httpx = require("httpx", "rollout.backend: openai")
 

@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -109,6 +109,7 @@ class VLLMSampler(OpenAISampler):
         self.server_restarts = 0
         self.last_sync_seconds: Optional[float] = None
         self.last_synced: Optional[Path] = None
+        self._synced_dirs: List[Path] = []
         self.owned: Optional[VLLMServer] = None
         if base_url is None:
             served = save_for_vllm(model, tokenizer, self.work_dir / "model")
@@ -161,6 +162,7 @@ class VLLMSampler(OpenAISampler):
         self.backend.base_url = self.owned.url
         self.backend.request_model = self.backend.model_name
         self.backend.loaded_adapter = None
+        self.backend.loaded_adapters = []
         if last is not None and not full:
             from .weight_sync import load_vllm_adapter
 
@@ -211,6 +213,7 @@ class VLLMSampler(OpenAISampler):
                "rollout/server_restarts": float(self.server_restarts)}
         if self.last_sync_seconds is not None:
             out["sync/seconds"] = self.last_sync_seconds
+        out["sync/prefix_cache_kept_total"] = float(self.backend.prefix_cache_kept)
         self.lost_episodes = self.server_restarts = 0
         self.last_sync_seconds = None
         return out
@@ -228,7 +231,12 @@ class VLLMSampler(OpenAISampler):
             self._survive(exc, 0, "a weight sync")
             out = super().sync_weights(model, version, save_dir)
         self.last_sync_seconds = time.perf_counter() - t0
-        previous, self.last_synced = self.last_synced, out
-        if previous is not None and previous != out:
-            shutil.rmtree(previous, ignore_errors=True)
+        self.last_synced = out
+        # the directories of the adapters still loaded stay (vLLM reads an adapter's files again
+        # when it evicted it from its cache); older ones are removed
+        self._synced_dirs = [d for d in self._synced_dirs if d != out] + [out]
+        keep = 1 + (self.backend.keep_adapters if (out / "adapter_config.json").exists() else 0)
+        for old in self._synced_dirs[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._synced_dirs = self._synced_dirs[-keep:]
         return out

@@ -200,6 +200,9 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
     if cfg.rollout.backend == "vllm" and m.path is None and m.name == "tiny":
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
                    "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
+    if cfg.rollout.backend == "vllm" and cfg.asynchronous.enabled and m.lora is None:
+        errors.add("model.lora", "SAO (asynchronous.enabled) on rollout.backend 'vllm' needs a LoRA policy: a full-weight "
+                   "reload would change the served weights under episodes in flight (trajgrad.train.ray_vllm)")
     if cfg.rollout.backend == "proxy":
         from .proxy import check_proxy_config
 

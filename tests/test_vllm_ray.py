@@ -1,0 +1,109 @@
+"""SAO and grouped GRPO on Ray with rollouts from the session's vLLM server (trajgrad.train.ray_vllm).
+
+Two Ray workers share the one server: they hold no model, they name the learner's newest adapter
+in their requests, and every turn records the version of that adapter. The server's own request
+counter shows the turns were sampled there; with ``max_lag 0`` every trained token was sampled by
+the weights the learner holds when it updates, so the learner's recomputed log-probs must equal
+the served ones (|log ratio| < 1e-4, float32).
+"""
+import os
+import re
+import sys
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _vllm import vllm_train_config, vllm_unavailable  # noqa: E402
+
+from trajgrad.train.metrics import read_metrics  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("vllm"),
+              pytest.mark.skipif(bool(vllm_unavailable()), reason=vllm_unavailable() or "-")]
+
+_GUESS = {"name": "guess", "n_train": 16, "n_heldout": 2, "options": {"upper": 8, "max_turns": 2, "few_shot": False}}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _served_requests(url) -> float:
+    """vLLM's count of finished requests (``/metrics``, all finish reasons)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text,
+                                                        re.MULTILINE))
+
+
+def _spy(trainer):
+    """Record every batch the learner trains, with the learner's version at that update."""
+    batches = []
+    learn = trainer.learn
+
+    def spy(trajs):
+        batches.append((trainer.policy_version, list(trajs)))
+        return learn(trajs)
+    trainer.learn = spy
+    return batches
+
+
+def _run_two_steps(trainer_cls, url, run_dir, cfg, mode):
+    """Two updates of ``trainer_cls`` on ``cfg``; checks what the docstring of this module says."""
+    lt = trainer_cls(cfg, run_dir, console=lambda *_: None)
+    tr = lt.trainer
+    batches = _spy(tr)
+    before = _served_requests(url)
+    summary = lt.run(stall_timeout=240)
+    assert summary["steps"] == 2 and summary["mode"] == mode
+    rows = [r for r in read_metrics(tr.run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # served behaviour log-probs == the learner's recomputation
+        assert r["mismatch/max_abs_log_ratio"] < 1e-4, r
+    assert [v for v, _ in batches] == [0, 1]
+    turns = 0
+    for v, trajs in batches:
+        for t in trajs:
+            assert [turn.policy_version for turn in t.turns] == [v] * len(t.turns)
+            turns += len(t.turns)
+    # every trained turn was one request to the server (the workers sample nothing themselves)
+    assert _served_requests(url) - before >= turns
+    # the learner synced after each update; the workers' requests named the adapter of version 1
+    assert tr.sampler.request_model == tr.sampler.backend.lora_name + "-v2"
+    assert tr.sampler.backend.loaded_adapters == [tr.sampler.backend.lora_name + "-v1", tr.sampler.request_model]
+
+
+def _config(url, model_dir, **sections):
+    return vllm_train_config(model_dir, rollout={"backend": "vllm", "base_url": url, "model_name": "policy"},
+                             task=_GUESS, **sections)
+
+
+def test_sao_two_updates_through_vllm(vllm_server, ray_session, tmp_path):
+    from trajgrad.train.asynchronous import AsyncTrainer
+
+    url, model_dir, _ = vllm_server
+    cfg = _config(url, model_dir, recipe={"name": "sao"}, critic={"warmup_steps": 0},
+                  train={"steps": 2, "prompts_per_step": 1, "group_size": 1, "micro_batch_size": 4},
+                  asynchronous={"enabled": True, "workers": 2, "max_lag": 0, "batch_trajectories": 2, "queue_size": 2,
+                                "partial": "per_segment"})
+    _run_two_steps(AsyncTrainer, url, tmp_path / "run", cfg, "async")
+
+
+def test_grouped_grpo_two_steps_through_vllm(vllm_server, ray_session, tmp_path):
+    from trajgrad.train.asynchronous import GroupedRayTrainer
+
+    url, model_dir, _ = vllm_server
+    cfg = _config(url, model_dir, train={"steps": 2, "prompts_per_step": 1, "group_size": 2, "micro_batch_size": 4},
+                  asynchronous={"enabled": False, "workers": 2})
+    _run_two_steps(GroupedRayTrainer, url, tmp_path / "run", cfg, "grouped")
+
+
+def test_sao_full_weights_on_vllm_is_refused_at_load_time(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.lora: SAO .*rollout\.backend 'vllm' needs a LoRA policy"):
+        vllm_train_config(tmp_path, model={"lora": None}, recipe={"name": "sao"},
+                          rollout={"backend": "vllm", "base_url": "http://127.0.0.1:1"},
+                          asynchronous={"enabled": True, "workers": 2})
