@@ -53,6 +53,17 @@ SERVER_ARGS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"
 SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+def served_requests(url) -> float:
+    """vLLM's count of finished requests (``/metrics``: ``vllm:request_success_total``, all finish reasons)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text,
+                                                        re.MULTILINE))
+
+
 def vllm_train_config(model_dir, **sections):
     """A 2-step GRPO run on the test model (LoRA r=8) with rollouts from vLLM (``rollout.backend: vllm``)."""
     from trajgrad.train.config import build_config

@@ -7,14 +7,12 @@ the weights the learner holds when it updates, so the learner's recomputed log-p
 the served ones (|log ratio| < 1e-4, float32).
 """
 import os
-import re
 import sys
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _vllm import vllm_train_config, vllm_unavailable  # noqa: E402
+from _vllm import served_requests, vllm_train_config, vllm_unavailable  # noqa: E402
 
 from trajgrad.train.metrics import read_metrics  # noqa: E402
 
@@ -30,13 +28,6 @@ def ray_session():
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
-
-
-def _served_requests(url) -> float:
-    """vLLM's count of finished requests (``/metrics``, all finish reasons)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text,
-                                                        re.MULTILINE))
 
 
 def _spy(trainer):
@@ -56,7 +47,7 @@ def _run_two_steps(trainer_cls, url, run_dir, cfg, mode):
     lt = trainer_cls(cfg, run_dir, console=lambda *_: None)
     tr = lt.trainer
     batches = _spy(tr)
-    before = _served_requests(url)
+    before = served_requests(url)
     summary = lt.run(stall_timeout=240)
     assert summary["steps"] == 2 and summary["mode"] == mode
     rows = [r for r in read_metrics(tr.run_dir) if r["kind"] == "train"]
@@ -70,7 +61,7 @@ def _run_two_steps(trainer_cls, url, run_dir, cfg, mode):
             assert [turn.policy_version for turn in t.turns] == [v] * len(t.turns)
             turns += len(t.turns)
     # every trained turn was one request to the server (the workers sample nothing themselves)
-    assert _served_requests(url) - before >= turns
+    assert served_requests(url) - before >= turns
     # the learner synced after each update; the workers' requests named the adapter of version 1
     assert tr.sampler.request_model == tr.sampler.backend.lora_name + "-v2"
     assert tr.sampler.backend.loaded_adapters == [tr.sampler.backend.lora_name + "-v1", tr.sampler.request_model]

@@ -197,9 +197,10 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
-    if cfg.rollout.backend == "vllm" and m.path is None and m.name == "tiny":
+    if (cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "proxy" and cfg.rollout.proxy.engine == "vllm")) \
+            and m.path is None and m.name == "tiny":
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
-                   "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
+                   "(or rollout.proxy.engine 'vllm') needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
     if cfg.rollout.backend == "vllm" and cfg.asynchronous.enabled and m.lora is None:
         errors.add("model.lora", "SAO (asynchronous.enabled) on rollout.backend 'vllm' needs a LoRA policy: a full-weight "
                    "reload would change the served weights under episodes in flight (trajgrad.train.ray_vllm)")
@@ -512,15 +513,17 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
     default = Config()
     obj = cfg.objective()
     keys = list(dict.fromkeys(keys))
+    vllm_engine = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "proxy" and cfg.rollout.proxy.engine == "vllm")
     rules = [
         ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
          ("asynchronous.enabled",)),
-        ("rollout.vllm.", cfg.rollout.backend != "vllm", "has no effect unless rollout.backend is 'vllm'", ()),
+        ("rollout.vllm.", not vllm_engine, "has no effect unless rollout.backend is 'vllm' (or 'proxy' with "
+         "rollout.proxy.engine 'vllm')", ()),
         ("rollout.server", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'", ()),
-        ("rollout.", cfg.rollout.backend not in ("openai", "vllm"),
+        ("rollout.", cfg.rollout.backend not in ("openai", "vllm") and not vllm_engine,
          "has no effect unless rollout.backend is 'openai' or 'vllm'",
          ("rollout.backend", "rollout.template_mismatch", "rollout.proxy.agent", "rollout.proxy.reward_timeout_s",
-          "rollout.proxy.concurrency", "rollout.vllm.")),
+          "rollout.proxy.concurrency", "rollout.proxy.engine", "rollout.vllm.")),
         ("rollout.proxy.", cfg.rollout.backend != "proxy", "has no effect unless rollout.backend is 'proxy'", ()),
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),

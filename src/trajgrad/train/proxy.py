@@ -126,7 +126,7 @@ class ProxySampler:
                  top_p: Optional[float], max_new_tokens: int, policy_version: int = 0,
                  reward_timeout_s: float = 300.0, concurrency: int = 8, model_name: str = "trajgrad-policy",
                  accept_any_model: bool = True, console: Callable[[str], None] = print,
-                 output_log: Optional[str] = None):
+                 output_log: Optional[str] = None, engine=None):
         from ..serve import create_app
         from ..serve.sessions import Sessions
 
@@ -157,6 +157,7 @@ class ProxySampler:
                               accept_any_model=accept_any_model)
         model.train(was_training)
         self.state = self.app.state.trajgrad
+        self.state.engine = self.engine = engine  # a VLLMEngine: calls sampled by vLLM (trajgrad.serve.vllm_engine)
         self.server = None
         self.counters: Dict[str, int] = {"episodes": 0, "trained": 0, "timeouts": 0, "diverged": 0, "empty": 0,
                                          "agent_errors": 0}
@@ -172,6 +173,8 @@ class ProxySampler:
         """The version reported (and recorded on turns) from now on; the weights are shared."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+        if self.engine is not None and version != self.state.policy_version:
+            self.engine.sync(self.model, version)  # the server samples the new weights from now on
         with self.state.lock:
             self.state.policy_version = version
 
@@ -193,6 +196,8 @@ class ProxySampler:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.engine is not None:
+            self.engine.close()
 
     def step_stats(self) -> Dict[str, float]:
         """Counts of the last :meth:`rollout` (``proxy/timeouts``, ``proxy/diverged``, ...)."""
@@ -391,7 +396,13 @@ def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0, run_dir=
     output is kept in ``run_dir/agent_output.log``."""
     s, p = cfg.sampling, cfg.rollout.proxy
     name = cfg.model.path if cfg.model.path is not None else f"trajgrad-{cfg.model.name}"
+    engine = None
+    if p.engine == "vllm":
+        from .proxy_vllm import build_vllm_engine
+
+        engine = build_vllm_engine(cfg, model, tokenizer, run_dir)
     return ProxySampler(model, tokenizer, agent=p.agent, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                         reward_timeout_s=p.reward_timeout_s, concurrency=p.concurrency, model_name=name,
-                        output_log=None if run_dir is None else os.path.join(str(run_dir), "agent_output.log"))
+                        output_log=None if run_dir is None else os.path.join(str(run_dir), "agent_output.log"),
+                        engine=engine)
