@@ -7,6 +7,7 @@ the weights the learner holds when it updates, so the learner's recomputed log-p
 the served ones (|log ratio| < 1e-4, float32).
 """
 import os
+import re
 import sys
 
 import pytest
@@ -98,3 +99,64 @@ def test_sao_full_weights_on_vllm_is_refused_at_load_time(tmp_path):
         vllm_train_config(tmp_path, model={"lora": None}, recipe={"name": "sao"},
                           rollout={"backend": "vllm", "base_url": "http://127.0.0.1:1"},
                           asynchronous={"enabled": True, "workers": 2})
+
+
+def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
+    """What SAO's workers rely on: a LoRA sync while a request runs under the previous adapter
+    leaves that request on the previous adapter (its log-probs are the old weights', to 1e-4), the
+    previous adapter stays loaded (``keep_adapters``) and the prefix-cache reset vLLM refuses
+    while the request holds cache blocks is counted, not an error."""
+    import threading
+    import time
+
+    import httpx
+    import torch
+
+    from trajgrad.logprobs import token_logprobs
+    from trajgrad.model.build import build_model
+    from trajgrad.rollout.vllm_sampler import VLLMSampler
+
+    url, model_dir, tok = vllm_server
+    lora = type("L", (), {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None})()
+    model, _ = build_model(path=str(model_dir), dtype="float32", lora=lora)
+    model.eval()
+    with VLLMSampler(None, tok, work_dir=tmp_path, base_url=url, model_name="policy") as s:
+        s.backend.keep_adapters = 1
+        s.sync_weights(model, 1, tmp_path / "sync")  # lora_B = 0: the base weights
+        first = s.request_model
+        prompt = tok.encode("Count slowly:", add_special_tokens=False)
+        body = {"model": first, "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "temperature": 1.0,
+                "logprobs": 0, "return_tokens_as_token_ids": True, "seed": 1}
+        box = {}
+        th = threading.Thread(target=lambda: box.update(r=httpx.post(url + "/v1/completions", json=body, timeout=300)))
+        th.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the request holds cache blocks now
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", httpx.get(url + "/metrics").text, re.M)
+            if m and float(m.group(1)) >= 1:
+                break
+            time.sleep(0.05)
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.05)
+        s.sync_weights(model, 2, tmp_path / "sync")
+        refused = s.backend.prefix_cache_kept
+        th.join(timeout=300)
+        assert s.backend.loaded_adapters == [first, s.request_model]
+        assert s.step_stats()["sync/prefix_cache_kept_total"] == refused
+    assert refused == 1, "the request finished before the sync: it was not running"
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    ids = [int(t.split(":")[1]) for t in lp["tokens"]]
+    assert len(ids) == 300
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in base:
+                p.copy_(base[n])
+        seq = torch.tensor([prompt + ids])
+        logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
+    learner = token_logprobs(logits, seq[0, len(prompt):])
+    assert (learner - torch.tensor(lp["token_logprobs"])).abs().max() < 1e-4
