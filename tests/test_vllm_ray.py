@@ -104,8 +104,9 @@ def test_sao_full_weights_on_vllm_is_refused_at_load_time(tmp_path):
 def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
     """What SAO's workers rely on: a LoRA sync while a request runs under the previous adapter
     leaves that request on the previous adapter (its log-probs are the old weights', to 1e-4), the
-    previous adapter stays loaded (``keep_adapters``) and the prefix-cache reset vLLM refuses
-    while the request holds cache blocks is counted, not an error."""
+    previous adapter stays loaded (``keep_adapters``), the prefix-cache reset vLLM refuses while
+    the request holds cache blocks is counted, not an error, and the new adapter reuses none of
+    the old one's cache blocks."""
     import threading
     import time
 
@@ -144,7 +145,8 @@ def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
         s.sync_weights(model, 2, tmp_path / "sync")
         refused = s.backend.prefix_cache_kept
         th.join(timeout=300)
-        assert s.backend.loaded_adapters == [first, s.request_model]
+        second = s.request_model
+        assert s.backend.loaded_adapters == [first, second]
         assert s.step_stats()["sync/prefix_cache_kept_total"] == refused
     assert refused == 1, "the request finished before the sync: it was not running"
     r = box["r"]
@@ -152,6 +154,18 @@ def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
     lp = r.json()["choices"][0]["logprobs"]
     ids = [int(t.split(":")[1]) for t in lp["tokens"]]
     assert len(ids) == 300
+    # the v1 request's cache blocks (the reset was refused) are not reused under v2: a v2 request
+    # that repeats 256 of its tokens gets the v2 weights' log-probs
+    head = prompt + ids[:256]
+    body = {"model": second, "prompt": head, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "seed": 2}
+    r2 = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r2.status_code == 200, r2.text
+    lp2 = r2.json()["choices"][0]["logprobs"]
+    seq = torch.tensor([head + [int(t.split(":")[1]) for t in lp2["tokens"]]])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0, len(head) - 1:-1].float()
+    assert (token_logprobs(logits, seq[0, len(head):]) - torch.tensor(lp2["token_logprobs"])).abs().max() < 1e-4
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in base:
