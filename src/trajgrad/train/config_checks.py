@@ -31,7 +31,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from .task_checks import check_demonstrations, check_heldout
 
-__all__ = ["check_config", "check_effective", "user_keys"]
+__all__ = ["check_config", "check_effective", "user_keys", "ray_backend_error"]
 
 _ENUMERATE_LIMIT = 50_000  # calculator expression spaces up to this size are counted exactly
 
@@ -201,6 +201,8 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
             and m.path is None and m.name == "tiny":
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
                    "(or rollout.proxy.engine 'vllm') needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
+    if cfg.asynchronous.enabled and cfg.rollout.backend != "proxy" and ray_backend_error(cfg.rollout.backend):
+        errors.add("rollout.backend", ray_backend_error(cfg.rollout.backend) + " (asynchronous.enabled)")
     if cfg.rollout.backend == "vllm" and cfg.asynchronous.enabled and m.lora is None:
         errors.add("model.lora", "SAO (asynchronous.enabled) on rollout.backend 'vllm' needs a LoRA policy: a full-weight "
                    "reload would change the served weights under episodes in flight (trajgrad.train.ray_vllm)")
@@ -456,6 +458,16 @@ def _check_log_dist(cfg, errors: _Errors) -> None:
         if cfg.train.prompts_per_step < world:
             errors.add("train.prompts_per_step", f"under dist.fsdp every one of the {world} ranks needs a prompt "
                        f"per step, got {cfg.train.prompts_per_step}")
+
+
+def ray_backend_error(backend: str) -> str:
+    """Why the Ray workers (SAO, the grouped baseline) cannot sample with ``rollout.backend``
+    ``backend`` ('' when they can): in process ('hf') or from the learner's vLLM server ('vllm',
+    trajgrad.train.ray_vllm)."""
+    if backend in ("hf", "vllm"):
+        return ""
+    return (f"{backend!r} is not what Ray workers sample with (they sample in process with 'hf', or from the "
+            "learner's vLLM server with 'vllm'; rollout.base_url attaches 'vllm' to a running server)")
 
 
 def check_config(cfg) -> None:

@@ -26,6 +26,7 @@ from .async_state import ASYNC_STATE_FILE, AsyncState, IndexSet, InFlight, dump_
     episode_key, load_async_state, plan_rerun
 from .config import Config
 from .partial import PARTIAL_POLICIES
+from .config_checks import ray_backend_error
 from .ray_vllm import served_state, share_server
 from .seeding import step_seed
 from .trainer import Trainer
@@ -44,6 +45,8 @@ class RayLearner:
         if self.acfg.partial not in PARTIAL_POLICIES:  # pragma: no cover - pydantic checks it
             raise ValueError(f"asynchronous.partial: expected one of {PARTIAL_POLICIES}")
         self._check_recipe(cfg)
+        if ray_backend_error(cfg.rollout.backend):
+            raise ValueError(f"rollout.backend: {ray_backend_error(cfg.rollout.backend)}")
         self.console = console
         self.trainer = Trainer(cfg, run_dir, resume=resume, console=console)
         self.run_dir = self.trainer.run_dir
