@@ -70,6 +70,7 @@ def test_proxy_records_vllm_samples_exactly(vllm_server, agent, tmp_path):
     for r in rows:  # vLLM's recorded log-probs == the learner's recomputation
         assert r["mismatch/max_abs_log_ratio"] < 1e-4, r
         assert r["proxy/trained"] == 4
+    assert rows[1]["sync/seconds"] > 0  # the sync after step 1, before step 2's calls
     assert served_requests(url) - before >= 16  # every call was sampled by vLLM
     backend = engine.sampler.backend
     assert backend.request_model == backend.lora_name + "-v2"  # synced after each update

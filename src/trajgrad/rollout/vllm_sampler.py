@@ -110,6 +110,7 @@ class VLLMSampler(OpenAISampler):
         self.last_sync_seconds: Optional[float] = None
         self.last_synced: Optional[Path] = None
         self._synced_dirs: List[Path] = []
+        self._kept_reported = 0
         self.owned: Optional[VLLMServer] = None
         if base_url is None:
             served = save_for_vllm(model, tokenizer, self.work_dir / "model")
@@ -207,13 +208,15 @@ class VLLMSampler(OpenAISampler):
             self.backend.settings = kept
 
     def step_stats(self) -> Dict[str, float]:
-        """Counts since the last call: ``rollout/lost_episodes``, ``rollout/server_restarts`` and the
+        """Counts since the last call: ``rollout/lost_episodes``, ``rollout/server_restarts``,
+        ``sync/prefix_cache_kept`` (LoRA syncs whose prefix-cache reset the server refused) and the
         last sync's ``sync/seconds``."""
         out = {"rollout/lost_episodes": float(self.lost_episodes),
                "rollout/server_restarts": float(self.server_restarts)}
         if self.last_sync_seconds is not None:
             out["sync/seconds"] = self.last_sync_seconds
-        out["sync/prefix_cache_kept_total"] = float(self.backend.prefix_cache_kept)
+        out["sync/prefix_cache_kept"] = float(self.backend.prefix_cache_kept - self._kept_reported)
+        self._kept_reported = self.backend.prefix_cache_kept
         self.lost_episodes = self.server_restarts = 0
         self.last_sync_seconds = None
         return out

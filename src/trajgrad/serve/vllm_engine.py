@@ -75,6 +75,10 @@ class VLLMEngine:
             return list(self._rows.map(one, zip(rows, seeds))), int(version)
         return self._calls.submit(call)
 
+    def step_stats(self):
+        """The sampler's counts since the last call (``sync/seconds``, ``sync/prefix_cache_kept``)."""
+        return {k: v for k, v in self.sampler.step_stats().items() if k.startswith("sync/")}
+
     def sync(self, model, version: int) -> Path:
         """Load ``model``'s weights into the server (:meth:`VLLMSampler.sync_weights`)."""
         return self.sampler.sync_weights(model, version, self.sync_dir)

@@ -200,8 +200,12 @@ class ProxySampler:
             self.engine.close()
 
     def step_stats(self) -> Dict[str, float]:
-        """Counts of the last :meth:`rollout` (``proxy/timeouts``, ``proxy/diverged``, ...)."""
-        return {f"proxy/{k}": float(v) for k, v in self._step.items()}
+        """Counts of the last :meth:`rollout` (``proxy/timeouts``, ``proxy/diverged``, ...), and a vLLM
+        engine's ``sync/*``."""
+        out = {f"proxy/{k}": float(v) for k, v in self._step.items()}
+        if self.engine is not None:
+            out.update(self.engine.step_stats())
+        return out
 
     def rollout(self, source, tasks: Sequence[Any], *, group_size: int = 1, seed: Optional[int] = None,
                 before_turn=None) -> List[Trajectory]:
