@@ -15,7 +15,8 @@ import textwrap
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _vllm import served_requests, vllm_train_config, vllm_unavailable  # noqa: E402
+from _vllm import (max_abs_log_ratio, served_requests, spy_batches, vllm_train_config,  # noqa: E402
+                   vllm_unavailable)
 
 from trajgrad.train.metrics import read_metrics  # noqa: E402
 
@@ -52,8 +53,10 @@ def test_proxy_records_vllm_samples_exactly(vllm_server, agent, tmp_path):
 
     url, model_dir, _ = vllm_server
     cfg = vllm_train_config(model_dir, rollout={"backend": "proxy", "base_url": url, "model_name": "policy",
-                                                "proxy": {"agent": agent, "engine": "vllm", "concurrency": 4}})
+                                                "proxy": {"agent": agent, "engine": "vllm", "concurrency": 4}},
+                            recipe={"name": "grpo", "overrides": {"entropy_coef": 0.05}})  # every update moves
     tr = Trainer(cfg, tmp_path / "run", console=lambda *_: None)
+    batches = spy_batches(tr)
     engine = tr.sampler.engine
     assert engine is not None and engine.url == url
     before = served_requests(url)
@@ -70,6 +73,11 @@ def test_proxy_records_vllm_samples_exactly(vllm_server, agent, tmp_path):
     for r in rows:  # vLLM's recorded log-probs == the learner's recomputation
         assert r["mismatch/max_abs_log_ratio"] < 1e-4, r
         assert r["proxy/trained"] == 4
+        assert r["grad_norm"] > 0
+    # the second step's calls were sampled by version 1, not by version 0's weights
+    (_, _, w0), (_, second, w1) = batches
+    assert max_abs_log_ratio(cfg, w1, second) < 1e-4
+    assert max_abs_log_ratio(cfg, w0, second) > 1e-3
     assert rows[1]["sync/seconds"] > 0  # the sync after step 1, before step 2's calls
     assert served_requests(url) - before >= 16  # every call was sampled by vLLM
     backend = engine.sampler.backend

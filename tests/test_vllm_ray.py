@@ -13,7 +13,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _vllm import served_requests, vllm_train_config, vllm_unavailable  # noqa: E402
+from _vllm import (max_abs_log_ratio, served_requests, spy_batches, vllm_train_config,  # noqa: E402
+                   vllm_unavailable)
 
 from trajgrad.train.metrics import read_metrics  # noqa: E402
 
@@ -31,36 +32,29 @@ def ray_session():
     ray.shutdown()
 
 
-def _spy(trainer):
-    """Record every batch the learner trains, with the learner's version at that update."""
-    batches = []
-    learn = trainer.learn
-
-    def spy(trajs):
-        batches.append((trainer.policy_version, list(trajs)))
-        return learn(trajs)
-    trainer.learn = spy
-    return batches
-
-
 def _run_two_steps(trainer_cls, url, run_dir, cfg, mode):
     """Two updates of ``trainer_cls`` on ``cfg``; checks what the docstring of this module says."""
     lt = trainer_cls(cfg, run_dir, console=lambda *_: None)
     tr = lt.trainer
-    batches = _spy(tr)
+    batches = spy_batches(tr)
     before = served_requests(url)
     summary = lt.run(stall_timeout=240)
     assert summary["steps"] == 2 and summary["mode"] == mode
     rows = [r for r in read_metrics(tr.run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # served behaviour log-probs == the learner's recomputation
+    for r in rows:  # served behaviour log-probs == the learner's recomputation; the update moved the weights
         assert r["mismatch/max_abs_log_ratio"] < 1e-4, r
-    assert [v for v, _ in batches] == [0, 1]
+        assert r["grad_norm"] > 0, r
+    assert [v for v, _, _ in batches] == [0, 1]
     turns = 0
-    for v, trajs in batches:
+    for v, trajs, _ in batches:
         for t in trajs:
             assert [turn.policy_version for turn in t.turns] == [v] * len(t.turns)
             turns += len(t.turns)
+    # the second batch was sampled by version 1, not by version 0's weights
+    (_, _, w0), (_, second, w1) = batches
+    assert max_abs_log_ratio(tr.cfg, w1, second) < 1e-4
+    assert max_abs_log_ratio(tr.cfg, w0, second) > 1e-3
     # every trained turn was one request to the server (the workers sample nothing themselves)
     assert served_requests(url) - before >= turns
     # the learner synced after each update; the workers' requests named the adapter of version 1
@@ -69,6 +63,7 @@ def _run_two_steps(trainer_cls, url, run_dir, cfg, mode):
 
 
 def _config(url, model_dir, **sections):
+    # the random test model earns no reward: an entropy bonus makes every update move the weights
     return vllm_train_config(model_dir, rollout={"backend": "vllm", "base_url": url, "model_name": "policy"},
                              task=_GUESS, **sections)
 
@@ -77,7 +72,8 @@ def test_sao_two_updates_through_vllm(vllm_server, ray_session, tmp_path):
     from trajgrad.train.asynchronous import AsyncTrainer
 
     url, model_dir, _ = vllm_server
-    cfg = _config(url, model_dir, recipe={"name": "sao"}, critic={"warmup_steps": 0},
+    cfg = _config(url, model_dir, recipe={"name": "sao", "overrides": {"entropy_coef": 0.05}},
+                  critic={"warmup_steps": 0},
                   train={"steps": 2, "prompts_per_step": 1, "group_size": 1, "micro_batch_size": 4},
                   asynchronous={"enabled": True, "workers": 2, "max_lag": 0, "batch_trajectories": 2, "queue_size": 2,
                                 "partial": "per_segment"})
@@ -88,7 +84,8 @@ def test_grouped_grpo_two_steps_through_vllm(vllm_server, ray_session, tmp_path)
     from trajgrad.train.asynchronous import GroupedRayTrainer
 
     url, model_dir, _ = vllm_server
-    cfg = _config(url, model_dir, train={"steps": 2, "prompts_per_step": 1, "group_size": 2, "micro_batch_size": 4},
+    cfg = _config(url, model_dir, recipe={"name": "grpo", "overrides": {"entropy_coef": 0.05}},
+                  train={"steps": 2, "prompts_per_step": 1, "group_size": 2, "micro_batch_size": 4},
                   asynchronous={"enabled": False, "workers": 2})
     _run_two_steps(GroupedRayTrainer, url, tmp_path / "run", cfg, "grouped")
 
