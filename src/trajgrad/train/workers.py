@@ -4,6 +4,8 @@
   at a time with :class:`~trajgrad.rollout.HFSampler`; before every turn it asks the
   :class:`~trajgrad.train.weight_store.WeightStore` for newer weights and loads them in place
   (an interrupted episode continues under the new policy, each turn keeping its version, §16).
+  With ``rollout.backend: vllm`` it keeps no model: its requests go to the learner's vLLM
+  server and name the newest adapter the store holds (:mod:`trajgrad.train.ray_vllm`).
 * :class:`RolloutPool`: ``workers`` actors, their outstanding episodes (:class:`Job`), and
   the replacement of a dead actor (its episodes come back as ``"lost"``).
 
