@@ -98,6 +98,47 @@ def test_sao_full_weights_on_vllm_is_refused_at_load_time(tmp_path):
                           asynchronous={"enabled": True, "workers": 2})
 
 
+def _lora_learner(model_dir):
+    from trajgrad.model.build import build_model
+
+    lora = type("L", (), {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None})()
+    model, _ = build_model(path=str(model_dir), dtype="float32", lora=lora)
+    return model.eval()
+
+
+def _perturb_lora(model):
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+
+
+def _complete(url, model_name, prompt, max_tokens, seed):
+    """One served completion of ``prompt`` (token ids): (sampled ids, their log-probs)."""
+    import httpx
+
+    body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 1.0, "logprobs": 0, "return_tokens_as_token_ids": True, "seed": seed}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return [int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]
+
+
+def _max_diff(model, prompt, ids, served) -> float:
+    """max |learner log-prob - served log-prob| of ``ids`` after ``prompt`` (T=1)."""
+    import torch
+
+    from trajgrad.logprobs import token_logprobs
+
+    seq = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
+    return float((token_logprobs(logits, seq[0, len(prompt):]) - torch.tensor(served)).abs().max())
+
+
 def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
     """What SAO's workers rely on: a LoRA sync while a request runs under the previous adapter
     leaves that request on the previous adapter (its log-probs are the old weights', to 1e-4), the
@@ -110,23 +151,17 @@ def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
     import httpx
     import torch
 
-    from trajgrad.logprobs import token_logprobs
-    from trajgrad.model.build import build_model
     from trajgrad.rollout.vllm_sampler import VLLMSampler
 
     url, model_dir, tok = vllm_server
-    lora = type("L", (), {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None})()
-    model, _ = build_model(path=str(model_dir), dtype="float32", lora=lora)
-    model.eval()
+    model = _lora_learner(model_dir)
     with VLLMSampler(None, tok, work_dir=tmp_path, base_url=url, model_name="policy") as s:
         s.backend.keep_adapters = 1
         s.sync_weights(model, 1, tmp_path / "sync")  # lora_B = 0: the base weights
         first = s.request_model
         prompt = tok.encode("Count slowly:", add_special_tokens=False)
-        body = {"model": first, "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "temperature": 1.0,
-                "logprobs": 0, "return_tokens_as_token_ids": True, "seed": 1}
         box = {}
-        th = threading.Thread(target=lambda: box.update(r=httpx.post(url + "/v1/completions", json=body, timeout=300)))
+        th = threading.Thread(target=lambda: box.update(r=_complete(url, first, prompt, 300, 1)))
         th.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the request holds cache blocks now
@@ -135,10 +170,7 @@ def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
                 break
             time.sleep(0.05)
         base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.05)
+        _perturb_lora(model)
         s.sync_weights(model, 2, tmp_path / "sync")
         refused = s.backend.prefix_cache_kept
         th.join(timeout=300)
@@ -147,28 +179,32 @@ def test_lora_sync_while_a_request_runs(vllm_server, tmp_path):
         assert s.step_stats()["sync/prefix_cache_kept"] == refused
         assert s.step_stats()["sync/prefix_cache_kept"] == 0  # counted once
     assert refused == 1, "the request finished before the sync: it was not running"
-    r = box["r"]
-    assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    ids = [int(t.split(":")[1]) for t in lp["tokens"]]
+    ids, served = box["r"]
     assert len(ids) == 300
     # the v1 request's cache blocks (the reset was refused) are not reused under v2: a v2 request
     # that repeats 256 of its tokens gets the v2 weights' log-probs
     head = prompt + ids[:256]
-    body = {"model": second, "prompt": head, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0,
-            "logprobs": 0, "return_tokens_as_token_ids": True, "seed": 2}
-    r2 = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert r2.status_code == 200, r2.text
-    lp2 = r2.json()["choices"][0]["logprobs"]
-    seq = torch.tensor([head + [int(t.split(":")[1]) for t in lp2["tokens"]]])
-    with torch.no_grad():
-        logits = model(input_ids=seq).logits[0, len(head) - 1:-1].float()
-    assert (token_logprobs(logits, seq[0, len(head):]) - torch.tensor(lp2["token_logprobs"])).abs().max() < 1e-4
+    assert _max_diff(model, head, *_complete(url, second, head, 8, 2)) < 1e-4
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in base:
                 p.copy_(base[n])
-        seq = torch.tensor([prompt + ids])
-        logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
-    learner = token_logprobs(logits, seq[0, len(prompt):])
-    assert (learner - torch.tensor(lp["token_logprobs"])).abs().max() < 1e-4
+    assert _max_diff(model, prompt, ids, served) < 1e-4
+
+
+def test_a_version_set_without_its_weights_is_synced(vllm_server, tmp_path):
+    """A resumed learner sets its checkpoint's version on the sampler without a sync: the sampler
+    syncs the policy it was built with, so the server samples the weights that version names."""
+    from trajgrad.rollout.vllm_sampler import VLLMSampler
+
+    url, model_dir, tok = vllm_server
+    model = _lora_learner(model_dir)
+    _perturb_lora(model)  # the weights a checkpoint of version 5 would load
+    with VLLMSampler(model, tok, work_dir=tmp_path, base_url=url, model_name="policy") as s:
+        s.set_policy_version(5)
+        assert s.policy_version == 5 and s.request_model == s.backend.lora_name + "-v5"
+        assert s.step_stats()["sync/seconds"] > 0
+        s.set_policy_version(5)  # the version the server holds: nothing to sync
+        assert "sync/seconds" not in s.step_stats()
+        prompt = tok.encode("Hello there", add_special_tokens=False)
+        assert _max_diff(model, prompt, *_complete(url, s.request_model, prompt, 16, 3)) < 1e-4

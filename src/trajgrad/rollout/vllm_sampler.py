@@ -112,6 +112,7 @@ class VLLMSampler(OpenAISampler):
         self._synced_dirs: List[Path] = []
         self._kept_reported = 0
         self.owned: Optional[VLLMServer] = None
+        self._policy = model  # synced when a version arrives without its weights (set_policy_version)
         if base_url is None:
             served = save_for_vllm(model, tokenizer, self.work_dir / "model")
             args = list(extra_args)
@@ -128,6 +129,7 @@ class VLLMSampler(OpenAISampler):
             base_url = self.owned.url
         # adapter names unique to this sampler: a shared or reused server may hold another run's versions
         options.setdefault("lora_name", f"{model_name}-{uuid.uuid4().hex[:8]}")
+        self._served_version = options.get("policy_version", 0)  # the version the server's weights are
         super().__init__(base_url, tokenizer, model_name=model_name, server="vllm", **options)
 
     # ------------------------------------------------------------------ life cycle
@@ -222,9 +224,26 @@ class VLLMSampler(OpenAISampler):
         return out
 
     # ------------------------------------------------------------------ weights
+    def set_policy_version(self, version: int) -> None:
+        """Record ``version`` on the turns sampled from now on. A version the server was not synced to
+        (a resumed run's, whose weights were loaded from a checkpoint) syncs the policy given at
+        construction first, so that the server samples the weights the version names."""
+        if self._policy is not None and version != self._served_version:
+            self.sync_weights(self._policy, version, self.work_dir / "weights-sync")
+            return
+        super().set_policy_version(version)
+
     def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
         """Load ``model``'s weights into the server in place (LoRA adapter or full reload), reset its
         prefix cache, record ``version``; the previous synced directory is removed."""
+        previous, self._served_version = self._served_version, version
+        try:
+            return self._sync_weights(model, version, save_dir)
+        except BaseException:
+            self._served_version = previous
+            raise
+
+    def _sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
         t0 = time.perf_counter()
         try:
             out = super().sync_weights(model, version, save_dir)
