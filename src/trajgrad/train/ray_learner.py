@@ -25,8 +25,8 @@ from . import loop
 from .async_state import ASYNC_STATE_FILE, AsyncState, IndexSet, InFlight, dump_async_state, episode_index, \
     episode_key, load_async_state, plan_rerun
 from .config import Config
-from .partial import PARTIAL_POLICIES
 from .config_checks import ray_backend_error
+from .partial import PARTIAL_POLICIES
 from .ray_vllm import served_state, share_server
 from .seeding import step_seed
 from .trainer import Trainer
