@@ -53,6 +53,50 @@ SERVER_ARGS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"
 SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+def served_requests(url) -> float:
+    """vLLM's count of finished requests (``/metrics``: ``vllm:request_success_total``, all finish reasons)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text,
+                                                        re.MULTILINE))
+
+
+def spy_batches(trainer):
+    """Record every batch the learner trains, with the learner's version and trainable weights then."""
+    from trajgrad.weights import trainable_state
+
+    batches = []
+    learn = trainer.learn
+
+    def spy(trajs):
+        batches.append((trainer.policy_version, list(trajs), trainable_state(trainer.model)))
+        return learn(trajs)
+    trainer.learn = spy
+    return batches
+
+
+def max_abs_log_ratio(cfg, state, trajs) -> float:
+    """max |log pi - log mu| over the action tokens of ``trajs`` under the trainable ``state``."""
+    import torch
+
+    from trajgrad.model.build import build_policy_model
+    from trajgrad.model.learner import learner_logprobs
+    from trajgrad.rollout import collate
+    from trajgrad.weights import load_trainable_state
+
+    model, tok = build_policy_model(cfg.model)
+    load_trainable_state(model, state)
+    model.eval()
+    batch = collate(trajs, tok.pad_token_id)
+    with torch.no_grad():
+        out = learner_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask, temperature=1.0)
+    m = batch.action_mask.bool()
+    return float((out.logp.double() - batch.old_logp.double())[m].abs().max())
+
+
 def vllm_train_config(model_dir, **sections):
     """A 2-step GRPO run on the test model (LoRA r=8) with rollouts from vLLM (``rollout.backend: vllm``)."""
     from trajgrad.train.config import build_config

@@ -49,3 +49,18 @@ def test_server_that_exits_at_start_is_one_error_quoting_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3 before it was healthy.*No module named vllm"):
         srv.start()
     assert not srv.alive()
+
+
+def test_ray_workers_refuse_a_backend_they_would_not_sample_with(tmp_path):
+    """The Ray workers sample in process ('hf') or from the learner's vLLM server ('vllm'); an
+    'openai' run is refused at load time (SAO) and when the grouped baseline is built."""
+    from trajgrad.train.asynchronous import GroupedRayTrainer
+
+    rollout = {"backend": "openai", "base_url": "http://127.0.0.1:1"}
+    with pytest.raises(ValueError, match=r"rollout\.backend: 'openai' is not what Ray workers sample with.*"
+                                         r"\(asynchronous\.enabled\)"):
+        build_config({"rollout": rollout, "recipe": {"name": "sao"}, "asynchronous": {"enabled": True}})
+    cfg = build_config({"model": {"name": "tiny"}, "rollout": rollout, "recipe": {"name": "grpo"}})
+    with pytest.raises(ValueError, match=r"^rollout\.backend: 'openai' is not what Ray workers sample with"):
+        GroupedRayTrainer(cfg, tmp_path / "run", console=lambda *_: None)
+    assert not (tmp_path / "run").exists()

@@ -135,6 +135,9 @@ class OpenAIBackend:
         self._context_limit = None if max_context_tokens is None else int(max_context_tokens)
         self._context_known = max_context_tokens is not None
         self.loaded_adapter: Optional[str] = None  # vLLM: the adapter the last sync loaded
+        self.loaded_adapters: List[str] = []  # vLLM: the adapters still loaded, oldest first
+        self.keep_adapters = 0  # vLLM: older adapters kept loaded after a sync (weight_sync.load_vllm_adapter)
+        self.prefix_cache_kept = 0  # vLLM: LoRA syncs whose prefix-cache reset the server refused
         if client is None:
             httpx = require("httpx", "rollout.backend: openai")
 
@@ -255,8 +258,10 @@ class OpenAIBackend:
             rows = list(self._pool.map(fn, seqs, seeds))
         return rows, [None] * len(rows)
 
-    def _finish(self, ids: List[int], logps: List[float], what: str) -> Tuple[List[int], List[float], bool]:
+    def _finish(self, ids: List[int], logps: List[float], what: str, settings: Optional[SamplingSettings] = None,
+                stop_ids: Optional[List[int]] = None) -> Tuple[List[int], List[float], bool]:
         """Validate one served action; greedy records 0.0 (a deterministic policy)."""
+        s = settings or self.settings
         if not ids:
             raise ValueError(f"server: the {self.server} server returned an empty completion ({what})")
         if len(ids) != len(logps):
@@ -273,18 +278,18 @@ class OpenAIBackend:
             if x > _POSITIVE_SLACK:
                 raise ValueError(f"server: the {self.server} server returned a positive log-prob {x} ({what})")
             out.append(min(x, 0.0))
-        if self.settings.greedy:
+        if s.greedy:
             out = [0.0] * len(ids)
-        if len(ids) > self.settings.max_new_tokens:
+        if len(ids) > s.max_new_tokens:
             raise ValueError(
                 f"server: the {self.server} server returned {len(ids)} tokens, more than max_new_tokens="
-                f"{self.settings.max_new_tokens} ({what})"
+                f"{s.max_new_tokens} ({what})"
             )
-        cut = ids[-1] != self.eos_id
+        cut = ids[-1] not in (stop_ids or [self.eos_id])
         return list(ids), out, cut
 
-    def _common(self) -> Dict[str, Any]:
-        s = self.settings
+    def _common(self, settings: Optional[SamplingSettings] = None) -> Dict[str, Any]:
+        s = settings or self.settings
         return {
             "temperature": s.temperature,
             "top_p": 1.0 if s.top_p is None else s.top_p,
@@ -315,12 +320,24 @@ class OpenAIBackend:
             out.append(Action(action, logp, cut, int(version) if version is not None else None))
         return out
 
-    def _request_vllm(self, seq: List[int], seed: Optional[int]):
+    def complete(self, seq: List[int], seed: Optional[int] = None, *, settings: Optional[SamplingSettings] = None,
+                 stop_ids: Optional[List[int]] = None) -> Action:
+        """One vLLM completion of the token ids ``seq`` under ``settings`` (default: the backend's),
+        stopping at ``stop_ids`` (default: the end-of-turn id): the sampled ids and their log-probs."""
+        if self.server != "vllm":
+            raise ValueError(f"server: complete() forwards to a vllm server, this backend speaks {self.server!r}")
+        return self._request_vllm(seq, seed, settings, stop_ids)
+
+    def _request_vllm(self, seq: List[int], seed: Optional[int], settings: Optional[SamplingSettings] = None,
+                      stop_ids: Optional[List[int]] = None):
+        """One vLLM completion of ``seq`` (``settings`` / ``stop_ids``: the backend's own when None)."""
+        s = settings or self.settings
+        stops = list(stop_ids) if stop_ids else [self.eos_id]
         body = {
-            "model": self.request_model, "prompt": list(seq), "max_tokens": self.settings.max_new_tokens, "n": 1,
-            "logprobs": 0, "return_tokens_as_token_ids": True, "stop_token_ids": [self.eos_id],
+            "model": self.request_model, "prompt": list(seq), "max_tokens": s.max_new_tokens, "n": 1,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "stop_token_ids": stops,
             "skip_special_tokens": False, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0, **self._common(),
+            "repetition_penalty": 1.0, **self._common(s),
         }
         if seed is not None:
             body["seed"] = seed
@@ -345,7 +362,7 @@ class OpenAIBackend:
         plain = choice.get("token_ids")
         if plain is not None and list(plain) != ids:
             raise ValueError("server: the vllm server's token_ids disagree with its logprobs.tokens")
-        action, logp, cut = self._finish(ids, list(lp["token_logprobs"]), "vllm choice")
+        action, logp, cut = self._finish(ids, list(lp["token_logprobs"]), "vllm choice", s, stops)
         return Action(action, logp, cut)
 
     def _request_sglang(self, seq: List[int], seed: Optional[int]):

@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -111,7 +111,10 @@ class VLLMSampler(OpenAISampler):
         self.server_restarts = 0
         self.last_sync_seconds: Optional[float] = None
         self.last_synced: Optional[Path] = None
+        self._synced_dirs: List[Path] = []
+        self._kept_reported = 0
         self.owned: Optional[VLLMServer] = None
+        self._policy = model  # synced when a version arrives without its weights (set_policy_version)
         if base_url is None:
             served = save_for_vllm(model, tokenizer, self.work_dir / "model")
             args = list(extra_args)
@@ -128,6 +131,7 @@ class VLLMSampler(OpenAISampler):
             base_url = self.owned.url
         # adapter names unique to this sampler: a shared or reused server may hold another run's versions
         options.setdefault("lora_name", f"{model_name}-{uuid.uuid4().hex[:8]}")
+        self._served_version = options.get("policy_version", 0)  # the version the server's weights are
         super().__init__(base_url, tokenizer, model_name=model_name, server="vllm", **options)
 
     # ------------------------------------------------------------------ life cycle
@@ -163,6 +167,7 @@ class VLLMSampler(OpenAISampler):
         self.backend.base_url = self.owned.url
         self.backend.request_model = self.backend.model_name
         self.backend.loaded_adapter = None
+        self.backend.loaded_adapters = []
         if last is not None and not full:
             load_vllm_adapter(self.backend, last, self.policy_version)
 
@@ -203,20 +208,40 @@ class VLLMSampler(OpenAISampler):
             self.backend.settings = kept
 
     def step_stats(self) -> Dict[str, float]:
-        """Counts since the last call: ``rollout/lost_episodes``, ``rollout/server_restarts`` and the
+        """Counts since the last call: ``rollout/lost_episodes``, ``rollout/server_restarts``,
+        ``sync/prefix_cache_kept`` (LoRA syncs whose prefix-cache reset the server refused) and the
         last sync's ``sync/seconds``."""
         out = {"rollout/lost_episodes": float(self.lost_episodes),
                "rollout/server_restarts": float(self.server_restarts)}
         if self.last_sync_seconds is not None:
             out["sync/seconds"] = self.last_sync_seconds
+        out["sync/prefix_cache_kept"] = float(self.backend.prefix_cache_kept - self._kept_reported)
+        self._kept_reported = self.backend.prefix_cache_kept
         self.lost_episodes = self.server_restarts = 0
         self.last_sync_seconds = None
         return out
 
     # ------------------------------------------------------------------ weights
+    def set_policy_version(self, version: int) -> None:
+        """Record ``version`` on the turns sampled from now on. A version the server was not synced to
+        (a resumed run's, whose weights were loaded from a checkpoint) syncs the policy given at
+        construction first, so that the server samples the weights the version names."""
+        if self._policy is not None and version != self._served_version:
+            self.sync_weights(self._policy, version, self.work_dir / "weights-sync")
+            return
+        super().set_policy_version(version)
+
     def sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
         """Load ``model``'s weights into the server in place (LoRA adapter or full reload), reset its
         prefix cache, record ``version``; the previous synced directory is removed."""
+        previous, self._served_version = self._served_version, version
+        try:
+            return self._sync_weights(model, version, save_dir)
+        except BaseException:
+            self._served_version = previous
+            raise
+
+    def _sync_weights(self, model, version: int, save_dir: Union[str, os.PathLike]) -> Path:
         t0 = time.perf_counter()
         try:
             out = super().sync_weights(model, version, save_dir)
@@ -226,7 +251,12 @@ class VLLMSampler(OpenAISampler):
             self._survive(exc, 0, "a weight sync")
             out = super().sync_weights(model, version, save_dir)
         self.last_sync_seconds = time.perf_counter() - t0
-        previous, self.last_synced = self.last_synced, out
-        if previous is not None and previous != out:
-            shutil.rmtree(previous, ignore_errors=True)
+        self.last_synced = out
+        # the directories of the adapters still loaded stay (vLLM reads an adapter's files again
+        # when it evicted it from its cache); older ones are removed
+        self._synced_dirs = [d for d in self._synced_dirs if d != out] + [out]
+        keep = 1 + (self.backend.keep_adapters if (out / "adapter_config.json").exists() else 0)
+        for old in self._synced_dirs[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._synced_dirs = self._synced_dirs[-keep:]
         return out

@@ -67,7 +67,7 @@ def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.Pa
         else:
             model.save_pretrained(str(out), safe_serialization=True)
             reload_vllm_weights(backend, out)
-        reset_vllm_prefix_cache(backend)
+        reset_vllm_prefix_cache(backend, required=not peft)
     else:  # sglang
         if peft:
             import copy
@@ -86,20 +86,25 @@ def sync_server_weights(backend, model, version: int, save_dir: Union[str, os.Pa
 def load_vllm_adapter(backend, path: Path, version: int) -> None:
     """``POST /v1/load_lora_adapter {"lora_name": f"{lora_name}-v{version}", "lora_path"}`` (the
     server needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``); later requests
-    name that adapter and the previous one is unloaded."""
+    name that adapter. Adapters older than the newest ``1 + backend.keep_adapters`` are unloaded
+    (``keep_adapters`` 0: the previous one at once; rollout workers that sample while the learner
+    syncs keep a few, so that a turn begun under an older name still finds it)."""
     name = f"{backend.lora_name}-v{version}"
     try:
         backend.post_text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
     except ValueError as exc:
         raise ValueError(f"{exc} (vLLM loads adapters at run time only when started with --enable-lora and "
                          f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") from None
-    previous, backend.loaded_adapter = backend.loaded_adapter, name
+    loaded = [n for n in getattr(backend, "loaded_adapters", []) if n != name] + [name]
+    backend.loaded_adapter = name
     backend.request_model = name
-    if previous is not None and previous != name:
+    keep = 1 + int(getattr(backend, "keep_adapters", 0))
+    for previous in loaded[:-keep]:
         try:  # best effort: an unloaded old adapter only costs server memory
             backend.post_text("/v1/unload_lora_adapter", {"lora_name": previous})
         except (ValueError, ConnectionError):
             pass
+    backend.loaded_adapters = loaded[-keep:]
 
 
 def reload_vllm_weights(backend, path: Path) -> None:
@@ -114,13 +119,22 @@ def reload_vllm_weights(backend, path: Path) -> None:
         backend.json_of(resp, "/collective_rpc")
 
 
-def reset_vllm_prefix_cache(backend) -> None:
+def reset_vllm_prefix_cache(backend, *, required: bool = True) -> bool:
     """``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``): no cached keys/values of the old
-    weights are reused. A server without the route (404) is told to the caller as a ValueError."""
+    weights are reused. A server without the route (404) is told to the caller as a ValueError.
+
+    vLLM refuses the reset (``success: false``) while requests hold cache blocks. With
+    ``required`` that is a ValueError; without it (a LoRA sync, whose new adapter name and path
+    are part of every cache block's hash in vLLM, so no block of an older adapter is reused)
+    the refusal is counted in ``backend.prefix_cache_kept`` and False is returned."""
     resp = backend.send("POST", "/reset_prefix_cache", None)
     if resp.status_code == 404:
         raise ValueError("server: the vllm server has no /reset_prefix_cache route; start it with "
                          "VLLM_SERVER_DEV_MODE=1 so that cached keys/values of old weights are dropped at each sync")
     data = backend.json_of(resp, "/reset_prefix_cache")
     if isinstance(data, dict) and data.get("success") is False:
-        raise ValueError("server: the vllm server could not reset its prefix cache (requests still running)")
+        if required:
+            raise ValueError("server: the vllm server could not reset its prefix cache (requests still running)")
+        backend.prefix_cache_kept = int(getattr(backend, "prefix_cache_kept", 0)) + 1
+        return False
+    return True

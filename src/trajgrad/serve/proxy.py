@@ -129,7 +129,7 @@ class ProxySampler:
                  top_p: Optional[float], max_new_tokens: int, policy_version: int = 0,
                  reward_timeout_s: float = 300.0, concurrency: int = 8, model_name: str = "trajgrad-policy",
                  accept_any_model: bool = True, console: Callable[[str], None] = print,
-                 output_log: Optional[str] = None):
+                 output_log: Optional[str] = None, engine=None):
         if not isinstance(agent, str) or not agent.strip():
             raise ValueError("rollout.proxy.agent: expected a shell command or 'package.module:function'")
         if not (isinstance(reward_timeout_s, (int, float)) and math.isfinite(reward_timeout_s) and reward_timeout_s > 0):
@@ -157,6 +157,7 @@ class ProxySampler:
                               accept_any_model=accept_any_model)
         model.train(was_training)
         self.state = self.app.state.trajgrad
+        self.state.engine = self.engine = engine  # a VLLMEngine: calls sampled by vLLM (trajgrad.serve.vllm_engine)
         self.server = None
         self.counters: Dict[str, int] = {"episodes": 0, "trained": 0, "timeouts": 0, "diverged": 0, "empty": 0,
                                          "agent_errors": 0}
@@ -172,6 +173,8 @@ class ProxySampler:
         """The version reported (and recorded on turns) from now on; the weights are shared."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version: must be a non-negative integer, got {version!r}")
+        if self.engine is not None and version != self.state.policy_version:
+            self.engine.sync(self.model, version)  # the server samples the new weights from now on
         with self.state.lock:
             self.state.policy_version = version
 
@@ -191,10 +194,16 @@ class ProxySampler:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.engine is not None:
+            self.engine.close()
 
     def step_stats(self) -> Dict[str, float]:
-        """Counts of the last :meth:`rollout` (``proxy/timeouts``, ``proxy/diverged``, ...)."""
-        return {f"proxy/{k}": float(v) for k, v in self._step.items()}
+        """Counts of the last :meth:`rollout` (``proxy/timeouts``, ``proxy/diverged``, ...), and a vLLM
+        engine's ``sync/*``."""
+        out = {f"proxy/{k}": float(v) for k, v in self._step.items()}
+        if self.engine is not None:
+            out.update(self.engine.step_stats())
+        return out
 
     def rollout(self, source, tasks: Sequence[Any], *, group_size: int = 1, seed: Optional[int] = None,
                 before_turn=None) -> List[Trajectory]:
@@ -384,12 +393,15 @@ def check_proxy_config(cfg, add: Callable[[str, str], None]) -> None:
                                               "sampled at sampling.temperature)")
 
 
-def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0, run_dir=None) -> ProxySampler:
+def build_proxy_sampler(cfg, model, tokenizer, policy_version: int = 0, run_dir=None, engine=None) -> ProxySampler:
     """The :class:`ProxySampler` of a run (``rollout.proxy.*``, ``sampling.*``); the agent's
-    output is kept in ``run_dir/agent_output.log``."""
+    output is kept in ``run_dir/agent_output.log``. ``engine``: a
+    :class:`~trajgrad.serve.vllm_engine.VLLMEngine` that draws the samples
+    (``rollout.proxy.engine: vllm``; the trainer's setup starts it), else the served policy does."""
     s, p = cfg.sampling, cfg.rollout.proxy
     name = cfg.model.path if cfg.model.path is not None else f"trajgrad-{cfg.model.name}"
     return ProxySampler(model, tokenizer, agent=p.agent, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                         reward_timeout_s=p.reward_timeout_s, concurrency=p.concurrency, model_name=name,
-                        output_log=None if run_dir is None else os.path.join(str(run_dir), "agent_output.log"))
+                        output_log=None if run_dir is None else os.path.join(str(run_dir), "agent_output.log"),
+                        engine=engine)

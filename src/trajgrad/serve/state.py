@@ -68,9 +68,14 @@ class ServerState:
         self._cv = threading.Condition()
         self._worker: Optional[threading.Thread] = None
         self._stop = False
+        self.engine = None  # a VLLMEngine (trajgrad.serve.vllm_engine): samples are drawn there instead
 
     # ------------------------------------------------------------------ batcher
     def submit(self, rows: List[List[int]], key: Tuple, seed: Optional[int]) -> Future:
+        if self.engine is not None:  # drawn by the vLLM server, under the version it holds now
+            with self.lock:
+                version = self.policy_version
+            return self.engine.submit(rows, key, seed, version, self.generator)
         job = _Job(rows=rows, key=key, seed=seed)
         with self._cv:
             if self._worker is None or not self._worker.is_alive():

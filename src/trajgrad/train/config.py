@@ -163,6 +163,9 @@ class ProxyConfig(_Strict):
     reward_timeout_s: float = Field(300.0, gt=0, description="an episode without a reward this long after its "
                                     "agent started is expired (its process killed): counted, never trained")
     concurrency: int = Field(8, ge=1, description="agent episodes run at once (their calls are batched)")
+    engine: Literal["inprocess", "vllm"] = Field(
+        "inprocess", description="what samples the agent's calls: inprocess = the live policy in this process; "
+        "vllm = a vLLM server (rollout.vllm, or the one at rollout.base_url), synced after every update")
 
 
 class VLLMConfig(_Strict):

@@ -40,7 +40,7 @@ from ..serve.proxy import check_proxy_config
 from .task_checks import check_demonstrations, check_heldout
 from .tracking import missing_backends
 
-__all__ = ["check_config", "check_effective", "user_keys"]
+__all__ = ["check_config", "check_effective", "user_keys", "ray_backend_error"]
 
 _ENUMERATE_LIMIT = 50_000  # calculator expression spaces up to this size are counted exactly
 
@@ -200,9 +200,15 @@ def _check_models(cfg, obj, errors: _Errors) -> None:
         _check_path("critic.path", cfg.critic.path, errors)
     if cfg.rollout.backend == "openai" and not cfg.rollout.base_url:
         errors.add("rollout.base_url", "required for rollout.backend 'openai'")
-    if cfg.rollout.backend == "vllm" and m.path is None and m.name == "tiny":
+    if (cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "proxy" and cfg.rollout.proxy.engine == "vllm")) \
+            and m.path is None and m.name == "tiny":
         errors.add("model.name", "'tiny' has a character tokenizer vLLM cannot load; rollout.backend 'vllm' "
-                   "needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
+                   "(or rollout.proxy.engine 'vllm') needs a Hugging Face checkpoint (model.name 'smollm2' or model.path)")
+    if cfg.asynchronous.enabled and cfg.rollout.backend != "proxy" and ray_backend_error(cfg.rollout.backend):
+        errors.add("rollout.backend", ray_backend_error(cfg.rollout.backend) + " (asynchronous.enabled)")
+    if cfg.rollout.backend == "vllm" and cfg.asynchronous.enabled and m.lora is None:
+        errors.add("model.lora", "SAO (asynchronous.enabled) on rollout.backend 'vllm' needs a LoRA policy: a full-weight "
+                   "reload would change the served weights under episodes in flight (trajgrad.train.ray_vllm)")
     if cfg.rollout.backend == "proxy":
         check_proxy_config(cfg, errors.add)
 
@@ -440,6 +446,16 @@ def _check_log_dist(cfg, errors: _Errors) -> None:
                        f"per step, got {cfg.train.prompts_per_step}")
 
 
+def ray_backend_error(backend: str) -> str:
+    """Why the Ray workers (SAO, the grouped baseline) cannot sample with ``rollout.backend``
+    ``backend`` ('' when they can): in process ('hf') or from the learner's vLLM server ('vllm',
+    trajgrad.train.ray_vllm)."""
+    if backend in ("hf", "vllm"):
+        return ""
+    return (f"{backend!r} is not what Ray workers sample with (they sample in process with 'hf', or from the "
+            "learner's vLLM server with 'vllm'; rollout.base_url attaches 'vllm' to a running server)")
+
+
 def check_config(cfg) -> None:
     """Raise ValueError (every problem, each with its dotted key, on one line)."""
     errors = _Errors()
@@ -491,15 +507,17 @@ def check_effective(cfg, keys: Iterable[str]) -> None:
     default = type(cfg)()  # the Config defaults
     obj = cfg.objective()
     keys = list(dict.fromkeys(keys))
+    vllm_engine = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "proxy" and cfg.rollout.proxy.engine == "vllm")
     rules = [
         ("asynchronous.", not cfg.asynchronous.enabled, "has no effect unless asynchronous.enabled is true",
          ("asynchronous.enabled",)),
-        ("rollout.vllm.", cfg.rollout.backend != "vllm", "has no effect unless rollout.backend is 'vllm'", ()),
+        ("rollout.vllm.", not vllm_engine, "has no effect unless rollout.backend is 'vllm' (or 'proxy' with "
+         "rollout.proxy.engine 'vllm')", ()),
         ("rollout.server", cfg.rollout.backend != "openai", "has no effect unless rollout.backend is 'openai'", ()),
-        ("rollout.", cfg.rollout.backend not in ("openai", "vllm"),
+        ("rollout.", cfg.rollout.backend not in ("openai", "vllm") and not vllm_engine,
          "has no effect unless rollout.backend is 'openai' or 'vllm'",
          ("rollout.backend", "rollout.template_mismatch", "rollout.proxy.agent", "rollout.proxy.reward_timeout_s",
-          "rollout.proxy.concurrency", "rollout.vllm.")),
+          "rollout.proxy.concurrency", "rollout.proxy.engine", "rollout.vllm.")),
         ("rollout.proxy.", cfg.rollout.backend != "proxy", "has no effect unless rollout.backend is 'proxy'", ()),
         ("constraint.", not cfg.constraint.enabled, "has no effect unless constraint.enabled is true",
          ("constraint.enabled",)),

@@ -25,7 +25,9 @@ from . import loop
 from .async_state import ASYNC_STATE_FILE, AsyncState, IndexSet, InFlight, dump_async_state, episode_index, \
     episode_key, load_async_state, plan_rerun
 from .config import Config
+from .config_checks import ray_backend_error
 from .partial import PARTIAL_POLICIES
+from .ray_vllm import served_state, share_server
 from .seeding import step_seed
 from .trainer import Trainer
 from .weight_store import WeightStore, trainable_state
@@ -43,6 +45,8 @@ class RayLearner:
         if self.acfg.partial not in PARTIAL_POLICIES:  # pragma: no cover - pydantic checks it
             raise ValueError(f"asynchronous.partial: expected one of {PARTIAL_POLICIES}")
         self._check_recipe(cfg)
+        if ray_backend_error(cfg.rollout.backend):
+            raise ValueError(f"rollout.backend: {ray_backend_error(cfg.rollout.backend)}")
         self.console = console
         self.trainer = Trainer(cfg, run_dir, resume=resume, console=console)
         self.run_dir = self.trainer.run_dir
@@ -80,8 +84,10 @@ class RayLearner:
         total = float(ray.cluster_resources().get("CPU", 1.0))
         cpus = min(1.0, total / max(self.acfg.workers, 1))
         self.store = ray.remote(WeightStore).options(num_cpus=0).remote()
-        self.pool = RolloutPool(self.cfg.model_dump(), self.acfg.workers, self.store, cpus_per_worker=cpus,
-                                torch_threads=1)
+        cfg_data = self.cfg.model_dump()
+        if self.cfg.rollout.backend == "vllm":  # the workers share the learner's server (trajgrad.train.ray_vllm)
+            cfg_data = share_server(self.trainer.sampler, cfg_data)
+        self.pool = RolloutPool(cfg_data, self.acfg.workers, self.store, cpus_per_worker=cpus, torch_threads=1)
 
     def _stop(self) -> int:
         import ray
@@ -106,7 +112,8 @@ class RayLearner:
         import ray
 
         v = int(self.trainer.policy_version)
-        ref = ray.put(trainable_state(self.trainer.model))
+        vllm = self.cfg.rollout.backend == "vllm"  # the trainer synced the server: publish the served name
+        ref = ray.put(served_state(self.trainer.sampler) if vllm else trainable_state(self.trainer.model))
         ray.get(self.store.publish.remote(v, [ref]))
         self._weights_ref = ref
         self._published = v

@@ -7,6 +7,7 @@ The :class:`~trajgrad.train.trainer.Trainer` calls them in that order.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -27,6 +28,7 @@ from .config import Config
 from .fsdp import shard_model
 from .heldout import heldout_key, select_heldout
 from ..serve.proxy import build_proxy_sampler
+from ..serve.vllm_engine import VLLMEngine
 from .updates import LearnerState
 
 
@@ -153,7 +155,14 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
     """
     s = cfg.sampling
     if cfg.rollout.backend == "proxy":  # the agent runs against the served live policy (trajgrad.serve.proxy)
-        return build_proxy_sampler(cfg, model, tokenizer, policy_version, run_dir=run_dir)
+        engine = None
+        if cfg.rollout.proxy.engine == "vllm":  # vLLM draws the agent's samples, started as rollout.backend vllm
+            vcfg = cfg.model_copy(deep=True)
+            vcfg.rollout.backend = "vllm"
+            work = Path(run_dir if run_dir is not None else ".") / "vllm"
+            engine = VLLMEngine(build_sampler(vcfg, model, tokenizer, work_dir=work, console=console),
+                                max_concurrency=cfg.rollout.proxy.concurrency)
+        return build_proxy_sampler(cfg, model, tokenizer, policy_version, run_dir=run_dir, engine=engine)
     if cfg.rollout.backend == "openai":
         if not cfg.rollout.base_url:
             raise ValueError("rollout.base_url: required for backend 'openai'")
@@ -165,8 +174,6 @@ def build_sampler(cfg: Config, model, tokenizer, policy_version: int = 0, run_di
                                 max_new_tokens=s.max_new_tokens, policy_version=policy_version,
                                 server=cfg.rollout.server)
     elif cfg.rollout.backend == "vllm":
-        from pathlib import Path
-
         v = cfg.rollout.vllm
         sampler = VLLMSampler(model, tokenizer, work_dir=Path(work_dir if work_dir is not None else "vllm"),
                               base_url=cfg.rollout.base_url, model_name=cfg.rollout.model_name or "policy",

@@ -4,6 +4,8 @@
   at a time with :class:`~trajgrad.rollout.HFSampler`; before every turn it asks the
   :class:`~trajgrad.train.weight_store.WeightStore` for newer weights and loads them in place
   (an interrupted episode continues under the new policy, each turn keeping its version, §16).
+  With ``rollout.backend: vllm`` it keeps no model: its requests go to the learner's vLLM
+  server and name the newest adapter the store holds (:mod:`trajgrad.train.ray_vllm`).
 * :class:`RolloutPool`: ``workers`` actors, their outstanding episodes (:class:`Job`), and
   the replacement of a dead actor (its episodes come back as ``"lost"``).
 
@@ -30,6 +32,7 @@ from ..model.build import build_policy_model
 from ..rollout import HFSampler
 from ..runtime.allocator import keep_freed_memory
 from .config import build_config
+from .ray_vllm import apply_served_state, worker_sampler
 from .seeding import step_seed as _step_seed
 from .weight_store import load_trainable_state
 
@@ -104,8 +107,12 @@ class RolloutWorker:
         lat_seed = _step_seed(cfg.train.seed, self.index, salt=1000 + self.generation)
         self.source = with_latency(source, cfg.asynchronous.env_latency, seed=lat_seed)
         s = cfg.sampling
-        self.sampler = HFSampler(self.model, self.tokenizer, temperature=s.sampler_temperature, top_k=s.top_k, top_p=s.top_p,
-                                 max_new_tokens=s.max_new_tokens, policy_version=0)
+        if cfg.rollout.backend == "vllm":  # the learner's vLLM server samples (trajgrad.train.ray_vllm)
+            self.model = None
+            self.sampler = worker_sampler(cfg, self.tokenizer)
+        else:
+            self.sampler = HFSampler(self.model, self.tokenizer, temperature=s.sampler_temperature, top_k=s.top_k,
+                                     top_p=s.top_p, max_new_tokens=s.max_new_tokens, policy_version=0)
         self.sampler.template_mismatch = cfg.rollout.template_mismatch
         self.store = store
         self.version = -1  # nothing loaded from the store yet
@@ -124,7 +131,10 @@ class RolloutWorker:
         reply = ray.get(self.store.newer.remote(self.version, self.index, key, turn))
         if reply is not None:
             version, box = reply
-            load_trainable_state(self.model, ray.get(box[0]))
+            if self.model is None:
+                apply_served_state(self.sampler, ray.get(box[0]))
+            else:
+                load_trainable_state(self.model, ray.get(box[0]))
             self.version = int(version)
             self.sampler.set_policy_version(self.version)
             self.syncs += 1
