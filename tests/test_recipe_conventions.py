@@ -142,6 +142,22 @@ def test_clip_cov_selection_options_reach_the_loss(field, value, arg, setting):
             get_recipe("clip_cov", cov_exclude_clipped=1)
 
 
+def test_clip_cov_selected_verify_tells_zeroed_from_detached_terms():
+    setting = dict(cov_low=-100.0, cov_ratio=1.0)  # every token selected: the battery's batches select alike
+    o = get_recipe("clip_cov", cov_selected="zero", **setting)
+
+    def ref(selected):
+        def fn(logp, old_logp, advantages, mask, denominator=None):
+            return clip_cov_loss(logp, old_logp, advantages, mask, clip_ratio=1.0, cov_low=-100.0, selected=selected,
+                                 denominator=denominator)
+        return fn
+
+    assert verify(ref("zero"), o).passed
+    rep = {c.name: c for c in verify(ref("detach"), o).checks}
+    assert not rep["value"].passed and rep["gradient"].passed  # same gradient (none), different value
+    assert verify(ref("detach"), get_recipe("clip_cov", **setting)).passed
+
+
 # ---------------------------------------------------------------------- KL-Cov
 def test_kl_cov_positive_only_reaches_the_loss():
     logp, old, adv, mask = _batch(3)
@@ -366,3 +382,28 @@ def test_a_bad_option_in_a_config_is_one_line_naming_the_key(tmp_path, monkeypat
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert lines[0].startswith(f"error: {key}: "), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_decoupled_update_measures_the_sequence_mask_against_the_current_policy(tmp_path):
+    """Through the trainer's update: two epochs against the recomputed π_old; the step's mask fraction is that of
+    the first epoch's π_θ (the weights before the step, which the recompute equals here)."""
+    from test_correction_train import QUIET, _batch_and_advantages, _reference, micro
+
+    from trajgrad.train import updates
+    from trajgrad.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    tr = Trainer(micro("grpo", None, train={"epochs_per_batch": 2, "old_logp": "recompute"}), tmp_path / "run", **QUIET)
+    st = tr.learner
+    batch, adv = _batch_and_advantages(tr)
+    mask = batch.action_mask
+    with torch.no_grad():
+        old = updates.logprobs(st, batch).logp.double()
+    beh = torch.where(mask, batch.old_logp.double(), 0.0)
+    rc = {"kind": "tis", "cap": 1.5, "seq_mask_delta": 0.0, "mismatch_policy": "current"}
+    st.objective = st.objective.replace(rollout_correction=rc)
+    m = updates.policy_update(st, batch, adv, old, _reference(st, batch), behaviour_logp=beh)
+    want = rollout_correction(beh, old, mask, advantages=adv, kind="tis", cap=1.5, seq_mask_delta=0.0,
+                              mismatch_policy="current", current_logp=old)
+    assert m["correction/seq_masked_frac"] == pytest.approx(float(want.metrics["correction/seq_masked_frac"]), abs=1e-6)
+    assert math.isfinite(m["loss"])
