@@ -387,19 +387,12 @@ def test_a_bad_option_in_a_config_is_one_line_naming_the_key(tmp_path, monkeypat
 def test_a_decoupled_update_measures_the_sequence_mask_against_the_current_policy(tmp_path):
     """Through the trainer's update: two epochs against the recomputed π_old; the step's mask fraction is that of
     the first epoch's π_θ (the weights before the step, which the recompute equals here)."""
-    from test_correction_train import QUIET, _batch_and_advantages, _reference, micro
+    from test_correction_train import _reference, decoupled_step
 
     from trajgrad.train import updates
-    from trajgrad.train.trainer import Trainer
 
-    torch.manual_seed(0)
-    tr = Trainer(micro("grpo", None, train={"epochs_per_batch": 2, "old_logp": "recompute"}), tmp_path / "run", **QUIET)
-    st = tr.learner
-    batch, adv = _batch_and_advantages(tr)
+    st, batch, adv, old, beh = decoupled_step(tmp_path)
     mask = batch.action_mask
-    with torch.no_grad():
-        old = updates.logprobs(st, batch).logp.double()
-    beh = torch.where(mask, batch.old_logp.double(), 0.0)
     rc = {"kind": "tis", "cap": 1.5, "seq_mask_delta": 0.0, "mismatch_policy": "current"}
     st.objective = st.objective.replace(rollout_correction=rc)
     m = updates.policy_update(st, batch, adv, old, _reference(st, batch), behaviour_logp=beh)
