@@ -180,18 +180,24 @@ def test_auto_old_logprobs_still_give_the_correction_the_behaviour_logprobs(tmp_
     assert rows["auto"]["correction/truncated_frac"] > 0
 
 
-def test_decoupled_correction_takes_the_recomputed_old_logprobs_over_every_epoch(tmp_path):
-    """Decoupled: rho = pi_old/mu with pi_old recomputed before the update and fixed over the
-    epochs; the step's correction metrics equal those of the tensors by hand."""
+def decoupled_step(tmp_path):
+    """A two-epoch GRPO learner, one collected batch, its advantages, the recomputed π_old and the
+    behaviour log-probs (0 at masked positions)."""
     torch.manual_seed(0)
     cfg = micro("grpo", None, train={"epochs_per_batch": 2, "old_logp": "recompute"})
     tr = Trainer(cfg, tmp_path / "run", **QUIET)
     st = tr.learner
     batch, adv = _batch_and_advantages(tr)
-    mask = batch.action_mask
     with torch.no_grad():
         old = updates.logprobs(st, batch).logp.double()
-    beh = torch.where(mask, batch.old_logp.double(), 0.0)
+    return st, batch, adv, old, torch.where(batch.action_mask, batch.old_logp.double(), 0.0)
+
+
+def test_decoupled_correction_takes_the_recomputed_old_logprobs_over_every_epoch(tmp_path):
+    """Decoupled: rho = pi_old/mu with pi_old recomputed before the update and fixed over the
+    epochs; the step's correction metrics equal those of the tensors by hand."""
+    st, batch, adv, old, beh = decoupled_step(tmp_path)
+    mask = batch.action_mask
     z = torch.where(mask, old - beh, 0.0)
     n = mask.sum()
     st.objective = st.objective.replace(rollout_correction=SETTINGS["tis_token"])

@@ -149,7 +149,10 @@ def test_correction_settings_are_validated_and_diffed():
         get_recipe("grpo", rollout_correction={"kind": "tis", "cap": 2.0, "colour": 1})
     with pytest.raises(ValueError, match="cap"):
         get_recipe("grpo", rollout_correction={"kind": "tis", "cap": -2.0})
-    sao = get_recipe("sao", rollout_correction=RolloutCorrection(kind="none", mode="bypass", seq_mask_delta=0.1))
+    with pytest.raises(ValueError, match=r"^rollout_correction\.advantage_level:"):  # SAO's GAE advantages vary per token
+        get_recipe("sao", rollout_correction=RolloutCorrection(kind="none", mode="bypass", seq_mask_delta=0.1))
+    sao = get_recipe("sao", rollout_correction=RolloutCorrection(kind="none", mode="bypass", seq_mask_delta=0.1,
+                                                                 advantage_level="token"))
     assert "drop A<0" in explain(sao)
     assert get_recipe("grpo", rollout_correction=None).rollout_correction is OFF and not OFF
     d = explain_diff("grpo", get_recipe("grpo", rollout_correction=RolloutCorrection(kind="tis", cap=3.0)))

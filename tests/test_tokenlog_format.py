@@ -104,7 +104,7 @@ class _Corr:
     def __bool__(self):
         return True
 
-    def __call__(self, behaviour_logp, target, mask, advantages=None):
+    def __call__(self, behaviour_logp, target, mask, advantages=None, current_logp=None):
         g = torch.Generator().manual_seed(self.seed)
         w = torch.exp(target.double() - behaviour_logp.double()).clamp(max=2.0)
         keep = (torch.rand(mask.shape, generator=g) > 0.2) & mask.bool()

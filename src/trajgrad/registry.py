@@ -119,6 +119,8 @@ class PolicyTerm:
       call: ``call(objective, inputs: PolicyInputs) -> LossResult`` (token terms); pairwise
         and distill terms are called through ``Objective.dpo_loss`` / ``distill_loss``.
       fields: the ``Objective`` fields the term reads.
+      fields_when: optional ``fields_when(objective)``: fields read only in some settings of the
+        others (KL-Cov reads ``eps_low`` only with ``kl_cov_base="ppo_clip"``).
       ratio: ``"none"`` (no importance ratio), ``"old"`` (against the log-probs recomputed
         before the update) or ``"behaviour"`` (against the sampler's recorded log-probs).
       detached: what the term stop-gradients, for ``explain`` (a tuple or ``f(objective)``).
@@ -153,6 +155,7 @@ class PolicyTerm:
     validate: Optional[Callable[[Any], None]] = None
     zero_without_advantage: bool = False
     params: Tuple[Param, ...] = ()
+    fields_when: Optional[Callable[[Any], Tuple[str, ...]]] = None
 
     def detached_for(self, objective) -> Tuple[str, ...]:
         return tuple(self.detached(objective)) if callable(self.detached) else tuple(self.detached)
@@ -170,6 +173,7 @@ class AdvantageEstimator:
         token level: ``call(objective, values, rewards, mask, terminated, bootstrap_value)
         -> (advantages, returns)``.
       fields: the ``Objective`` fields it reads.
+      fields_when: optional ``fields_when(objective)``: fields read only in some settings.
       text: ``text(objective) -> str`` for ``explain``.
       min_group: the smallest ``group_size`` it accepts (2 for group baselines).
       needs_critic: it needs a value function (``Objective.critic`` must be true).
@@ -186,6 +190,7 @@ class AdvantageEstimator:
     needs_critic: bool = False
     validate: Optional[Callable[[Any], None]] = None
     params: Tuple[Param, ...] = ()
+    fields_when: Optional[Callable[[Any], Tuple[str, ...]]] = None
 
 
 POLICY_TERMS: Dict[str, PolicyTerm] = {}

@@ -302,6 +302,19 @@ STD_UNBIASED = Param("std_unbiased", False, "the group (and batch) std of the st
                      "(Bessel; verl's and TRL's GRPO) instead of G (default, the population std): at G = 8 the "
                      "advantages are 6.5% smaller (``trajgrad.baselines.group_advantages``).", bool,
                      lambda v: flag("std_unbiased", v))
+_WHITEN_DOC = ("batch whitening (REINFORCE++ and GAE's ``whiten_advantages``; :func:`trajgrad.baselines.whiten`): "
+               "``whiten_eps_placement`` ``\"variance\"`` divides by sqrt(σ² + ε) (verl), ``\"std\"`` by σ + ε "
+               "(the REINFORCE++ reference code); ``whiten_empty`` ``\"error\"`` refuses a batch with too few valid "
+               "entries, ``\"zeros\"`` gives it zero advantages.")
+WHITEN_EPS_FIELD = Param("whiten_eps_placement", "variance", _WHITEN_DOC, str,
+                         lambda v: _checks.check_choice("whiten_eps_placement", v, WHITEN_EPS))
+WHITEN_EMPTY_FIELD = Param("whiten_empty", "error", _WHITEN_DOC, str,
+                           lambda v: _checks.check_choice("whiten_empty", v, WHITEN_EMPTY))
+
+
+def whiten_empty_text(o, what: str) -> str:
+    """The ``explain`` line of ``whiten_empty``: empty for the default (refused), else one line."""
+    return f"\n    a batch with no counted {what} gives A = 0 (whiten_empty = 'zeros')" if o.whiten_empty == "zeros" else ""
 
 
 def _group(scale: str, *, leave_one_out: bool = False):

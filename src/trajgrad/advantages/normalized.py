@@ -21,9 +21,9 @@ import torch
 
 from .. import _checks
 from ._groups import _eps, _per_item, _rewards, _stats, _weighted_whiten
-from ..registry import AdvantageEstimator, register_advantage_estimator
-from .baselines import (STD_EPS, STD_UNBIASED, WHITEN_EMPTY, WHITEN_EPS, GroupAdvantages, group_advantages, std_text,
-                        whiten)
+from ..registry import AdvantageEstimator, Param, finite_positive, flag, register_advantage_estimator
+from .baselines import (STD_EPS, STD_UNBIASED, WHITEN_EMPTY, WHITEN_EMPTY_FIELD, WHITEN_EPS, WHITEN_EPS_FIELD,
+                        GroupAdvantages, group_advantages, std_text, whiten, whiten_empty_text)
 from .returns import reward_to_go
 
 __all__ = ["reinforce_pp_advantages", "reinforce_pp_token_advantages", "maxrl_advantages", "gdpo_advantages",
@@ -270,7 +270,8 @@ def gdpo_advantages(
 def _reinforce_pp(group_baseline: bool):
     def call(o, rewards, group_ids=None):
         return reinforce_pp_advantages(rewards, group_baseline=group_baseline, group_ids=group_ids,
-                                       unbiased=o.std_unbiased, eps=o.std_eps)
+                                       unbiased=o.std_unbiased, eps=o.std_eps, eps_placement=o.whiten_eps_placement,
+                                       empty=o.whiten_empty)
     return call
 
 
@@ -279,28 +280,56 @@ def _reinforce_pp_text(group_baseline: bool):
         centred = "R_i − mean_G(R)" if group_baseline else "R_i"
         var = "Bessel (1/(n−1))" if o.std_unbiased else "population (1/n)"
         g = f",  G = {o.group_size}" if group_baseline else ""
-        return (f"Ã_i = {centred}{g};  A_i = (Ã_i − mean_batch(Ã)) / sqrt(var_batch(Ã) + {o.std_eps:g}),  "
+        scale = (f"sqrt(var_batch(Ã) + {o.std_eps:g})" if o.whiten_eps_placement == "variance" else
+                 f"(std_batch(Ã) + {o.std_eps:g})")
+        return (f"Ã_i = {centred}{g};  A_i = (Ã_i − mean_batch(Ã)) / {scale},  "
                 f"{var} variance\n"
                 "    one normalization over the whole batch of responses, not per prompt (REINFORCE++; a per-token\n"
-                "    KL goes into the reward before it, kl_placement = 'reward')")
+                "    KL goes into the reward before it, kl_placement = 'reward')" + whiten_empty_text(o, "response"))
     return text
 
 
+_PP_FIELDS = ("std_eps", "std_unbiased", "whiten_eps_placement", "whiten_empty")
+_PP_PARAMS = (STD_EPS, STD_UNBIASED, WHITEN_EPS_FIELD, WHITEN_EMPTY_FIELD)
 register_advantage_estimator(AdvantageEstimator(
-    name="reinforce_pp", level="sequence", call=_reinforce_pp(False), fields=("std_eps", "std_unbiased"),
-    text=_reinforce_pp_text(False), params=(STD_EPS, STD_UNBIASED),
+    name="reinforce_pp", level="sequence", call=_reinforce_pp(False), fields=_PP_FIELDS,
+    text=_reinforce_pp_text(False), params=_PP_PARAMS,
 ))
 register_advantage_estimator(AdvantageEstimator(
-    name="reinforce_pp_baseline", level="sequence", call=_reinforce_pp(True), fields=("std_eps", "std_unbiased"),
-    min_group=2, text=_reinforce_pp_text(True), params=(STD_EPS, STD_UNBIASED),
+    name="reinforce_pp_baseline", level="sequence", call=_reinforce_pp(True), fields=_PP_FIELDS,
+    min_group=2, text=_reinforce_pp_text(True), params=_PP_PARAMS,
 ))
+MAXRL_EPS_FIELD = Param("maxrl_eps", 0.0, "MaxRL's ε ≥ 0 in the denominator D: ``max(mean_G(R), ε)`` "
+                        "(``maxrl_eps_mode`` ``\"max\"``) or ``mean_G(R) + ε`` (``\"add\"``, TRL's form); 0: none. "
+                        "``maxrl_advantages(eps=, eps_mode=)``.", float,
+                        lambda v: finite_positive("maxrl_eps", v, allow_zero=True))
+MAXRL_EPS_MODE = Param("maxrl_eps_mode", "max", "MaxRL's ε placement: ``\"max\"`` or ``\"add\"`` (see maxrl_eps).",
+                       str, lambda v: _checks.check_choice("maxrl_eps_mode", v, MAXRL_EPS))
+MAXRL_CENTRED = Param("maxrl_centred", True, "MaxRL subtracts the group mean (``True``, (R − mean)/D) or not "
+                      "(``False``, R/D: the success-conditioned average without the control variate). "
+                      "``maxrl_advantages(centred=)``.", bool, lambda v: flag("maxrl_centred", v))
+
+
+def _maxrl_text(o) -> str:
+    num = "R_i − mean_G(R)" if o.maxrl_centred else "R_i"
+    if o.maxrl_eps == 0:
+        den, zero = "mean_G(R)", "mean_G(R) = 0 (no success)"
+    elif o.maxrl_eps_mode == "max":
+        den, zero = f"max(mean_G(R), {o.maxrl_eps:g})", "the denominator is 0"
+    else:
+        den, zero = f"(mean_G(R) + {o.maxrl_eps:g})", "the denominator is 0"
+    control = ("= the score averaged over successful rollouts minus a control\n    variate" if o.maxrl_centred else
+               "= the score averaged over successful rollouts (uncentred: no control\n    variate)")
+    return (f"A_i = ({num}) / {den},  G = {o.group_size};  A_i = 0 when {zero}\n"
+            f"    rewards ≥ 0 (success indicator); {control}: prompts weigh ~1/p (maximum likelihood of success, MaxRL)")
+
+
 register_advantage_estimator(AdvantageEstimator(
-    name="maxrl", level="sequence", fields=(), min_group=2,
-    call=lambda o, rewards, group_ids=None: maxrl_advantages(rewards, group_ids=group_ids),
-    text=lambda o: (f"A_i = (R_i − mean_G(R)) / mean_G(R),  G = {o.group_size};  A_i = 0 when mean_G(R) = 0 "
-                    "(no success)\n"
-                    "    rewards ≥ 0 (success indicator); = the score averaged over successful rollouts minus a control\n"
-                    "    variate: prompts weigh ~1/p (maximum likelihood of success, MaxRL)"),
+    name="maxrl", level="sequence", fields=("maxrl_eps", "maxrl_eps_mode", "maxrl_centred"), min_group=2,
+    params=(MAXRL_EPS_FIELD, MAXRL_EPS_MODE, MAXRL_CENTRED),
+    call=lambda o, rewards, group_ids=None: maxrl_advantages(rewards, group_ids=group_ids, eps=o.maxrl_eps,
+                                                             eps_mode=o.maxrl_eps_mode, centred=o.maxrl_centred),
+    text=_maxrl_text,
 ))
 
 

@@ -31,7 +31,7 @@ import torch
 from .. import _checks
 from . import _steps
 from ._scan import suffix_affine_scan_
-from .baselines import whiten
+from .baselines import whiten, whiten_empty_text
 from ..registry import AdvantageEstimator, Param, finite_positive, flag, register_advantage_estimator
 
 Number = Union[float, int, torch.Tensor]
@@ -481,15 +481,16 @@ GAMMA = Param("gamma", 1.0, _GAMMA_DOC, float, _unit("gamma"))
 LAM = Param("lam", 1.0, _GAMMA_DOC, float, _unit("lam"))
 WHITEN_ADVANTAGES = Param(
     "whiten_advantages", False, "GAE advantages are whitened over every valid token of the batch, (A − μ) / "
-    "sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``; ``trajgrad.baselines.whiten``); "
-    "the value targets stay unwhitened.", bool, lambda v: flag("whiten_advantages", v))
+    "sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``; ``trajgrad.baselines.whiten``; "
+    "``whiten_eps_placement`` / ``whiten_empty`` choose the form); the value targets stay unwhitened.", bool, lambda v: flag("whiten_advantages", v))
 
 
 def _gae(o, values, rewards, mask, terminated=None, bootstrap_value=None):
     out = token_skip_observation_gae(values, rewards, mask, gamma=o.gamma, lam=o.lam, terminated=terminated,
                                      bootstrap_value=bootstrap_value)
     if o.whiten_advantages:  # verl: whiten the advantages over the batch's valid tokens; targets unchanged
-        out = out._replace(advantages=whiten(out.advantages, mask))
+        out = out._replace(advantages=whiten(out.advantages, mask, eps_placement=o.whiten_eps_placement,
+                                             empty=o.whiten_empty))
     return out
 
 
@@ -499,12 +500,15 @@ def _gae_text(o) -> str:
          "    skip-observation: tool-observation and prompt tokens are bridged, not decayed through (§20.4);\n"
          "    true termination zeroes the bootstrap, truncation bootstraps from V (§6)")
     if o.whiten_advantages:
-        s += ("\n    whitened over the batch: A_t ← (A_t − μ) / sqrt(σ² + 1e-8), μ, σ² (Bessel) over every valid token\n"
-              "    of the whole batch (verl); the value targets are computed before and stay unwhitened")
+        scale = "sqrt(σ² + 1e-8)" if o.whiten_eps_placement == "variance" else "(σ + 1e-8)"
+        s += (f"\n    whitened over the batch: A_t ← (A_t − μ) / {scale}, μ, σ² (Bessel) over every valid token\n"
+              "    of the whole batch (verl); the value targets are computed before and stay unwhitened"
+              + whiten_empty_text(o, "token"))
     return s
 
 
 register_advantage_estimator(AdvantageEstimator(
     name="gae", level="token", call=_gae, fields=("gamma", "lam", "whiten_advantages"), needs_critic=True,
-    text=_gae_text, params=(GAMMA, LAM, WHITEN_ADVANTAGES),
+    text=_gae_text, params=(GAMMA, LAM, WHITEN_ADVANTAGES),  # the whitening's options: declared with REINFORCE++
+    fields_when=lambda o: ("whiten_eps_placement", "whiten_empty") if o.whiten_advantages else (),
 ))

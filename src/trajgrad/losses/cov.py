@@ -64,7 +64,7 @@ import torch
 
 from .. import _checks
 from .._policy_stats import _valid_extrema
-from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
+from ..registry import Param, PolicyTerm, finite_positive, flag, register_policy_term
 from ..types import LossResult
 from ._common import Inputs, aggregate_tokens, prepare, ratio_metrics, token_weights, weighted
 from ._clip import EPS_HIGH, EPS_LOW, _clip_bounds, _clipped_surrogate, check_eps_low_below_one
@@ -477,32 +477,72 @@ def _batch_seed(x) -> int:
     return hash(key) & 0x7FFFFFFF
 
 
+_SELECTED_DOC = ("Clip-Cov: what happens to a selected token's term: ``\"detach\"`` (sg[s_t], value kept, gradient "
+                 "removed; the paper's) or ``\"zero\"`` (0 · s_t, value and gradient removed; the authors' verl code). "
+                 "``trajgrad.losses.clip_cov_loss(selected=)``.")
+COV_SELECTED = Param("cov_selected", "detach", _SELECTED_DOC, str, lambda v: _checks.check_choice("cov_selected", v, SELECTED))
+COV_BAND = Param("cov_band", "open", "Clip-Cov's covariance window of the candidates: ``\"open\"`` cov_low < Cov < 5 "
+                 "(verl) or ``\"closed\"`` cov_low ≤ Cov ≤ 5 (the paper's). ``clip_cov_loss(cov_band=)``.", str,
+                 lambda v: _checks.check_choice("cov_band", v, BANDS))
+COV_EXCLUDE_CLIPPED = Param("cov_exclude_clipped", True, "Clip-Cov: tokens clipped by PPO are no candidates (``True``, "
+                            "verl) or are (``False``). ``clip_cov_loss(exclude_clipped=)``.", bool,
+                            lambda v: flag("cov_exclude_clipped", v))
+KL_COV_POSITIVE_ONLY = Param("kl_cov_positive_only", True, "KL-Cov: only tokens with a positive covariance can be "
+                             "penalized (``True``) or the top-k runs over every valid token (``False``, the paper's and "
+                             "verl's). ``kl_cov_loss(positive_only=)``.", bool, lambda v: flag("kl_cov_positive_only", v))
+KL_COV_BASE = Param("kl_cov_base", "unclipped", "KL-Cov's surrogate: ``\"unclipped\"`` −ρ_t A_t (the paper's) or "
+                    "``\"ppo_clip\"`` PPO's clipped surrogate with the recipe's ``eps_low`` / ``eps_high`` (read only "
+                    "then). ``kl_cov_loss(base=)``.", str, lambda v: _checks.check_choice("kl_cov_base", v, BASES))
+
+
 def _clip_cov_text(o) -> str:
+    lt = "<" if o.cov_band == "open" else "≤"
+    band = f"{o.cov_low:g} {lt} Cov {lt} {CLIP_COV_HIGH:g}" + ("" if o.cov_band == "open" else " (closed band)")
+    cand = ", not clipped by PPO" if o.cov_exclude_clipped else ", PPO-clipped tokens included"
+    sel = ("with sg[·] on the tokens of S   (their gradient is removed)" if o.cov_selected == "detach" else
+           "times 0 on the tokens of S   (their value and gradient are removed, verl's form)")
     return (_COV + "\n"
-            f"S = random (seeded by the batch) selection of {o.cov_ratio:g}·N tokens with {o.cov_low:g} < Cov < "
-            f"{CLIP_COV_HIGH:g}, not clipped by PPO\n"
-            f"x_it = − min(ρ A, clip(ρ, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A), with sg[·] on the tokens of S   "
-            "(their gradient is removed)")
+            f"S = random (seeded by the batch) selection of {o.cov_ratio:g}·N tokens with {band}{cand}\n"
+            f"x_it = − min(ρ A, clip(ρ, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A), {sel}")
 
 
 def _kl_cov_text(o) -> str:
+    top = "largest positive Cov" if o.kl_cov_positive_only else "largest Cov, over every valid token"
+    if o.kl_cov_base == "unclipped":
+        base, note = "− ρ_it A_it", "(no clipping)"
+    else:
+        base = f"− min(ρ_it A_it, clip(ρ_it, 1 − {o.eps_low:g}, 1 + {o.eps_high_:g}) A_it)"
+        note = "(PPO-clipped surrogate)"
     return (_COV + "\n"
-            f"T = the {o.cov_ratio:g}·N tokens of largest positive Cov\n"
-            f"x_it = − ρ_it A_it + {o.cov_kl_coef:g} · 1[t ∈ T] · |log π_θ(y_it) − log π_old(y_it)|   (no clipping)")
+            f"T = the {o.cov_ratio:g}·N tokens of {top}\n"
+            f"x_it = {base} + {o.cov_kl_coef:g} · 1[t ∈ T] · |log π_θ(y_it) − log π_old(y_it)|   {note}")
+
+
+def _check_kl_cov(o) -> None:
+    if o.kl_cov_base == "ppo_clip":
+        check_eps_low_below_one(o)
 
 
 register_policy_term(PolicyTerm(
-    name="clip_cov", fn=clip_cov_loss, fields=("eps_low", "eps_high", "cov_ratio", "cov_low"), ratio="old",
-    detached=("old log-probs", "the covariance", "the selected tokens' terms"), aggregation="token_mean",
-    text=_clip_cov_text, validate=check_eps_low_below_one, params=(EPS_LOW, EPS_HIGH, COV_RATIO, COV_LOW),
+    name="clip_cov", fn=clip_cov_loss,
+    fields=("eps_low", "eps_high", "cov_ratio", "cov_low", "cov_selected", "cov_band", "cov_exclude_clipped"),
+    ratio="old",
+    detached=lambda o: ("old log-probs", "the covariance") + (("the selected tokens' terms",) if o.cov_selected == "detach"
+                                                             else ()),
+    aggregation="token_mean", text=_clip_cov_text, validate=check_eps_low_below_one,
+    params=(EPS_LOW, EPS_HIGH, COV_RATIO, COV_LOW, COV_SELECTED, COV_BAND, COV_EXCLUDE_CLIPPED),
     call=lambda o, x: clip_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_ratio=o.cov_ratio,
                                     cov_low=o.cov_low, cov_high=CLIP_COV_HIGH, seed=_batch_seed(x), eps_low=o.eps_low,
-                                    eps_high=o.eps_high_, **x.agg),
+                                    eps_high=o.eps_high_, selected=o.cov_selected, cov_band=o.cov_band,
+                                    exclude_clipped=o.cov_exclude_clipped, **x.agg),
 ))
 register_policy_term(PolicyTerm(
-    name="kl_cov", fn=kl_cov_loss, fields=("cov_ratio", "cov_kl_coef"), ratio="old",
-    detached=("old log-probs", "the covariance"), aggregation="token_mean", text=_kl_cov_text,
-    params=(COV_RATIO, COV_KL_COEF),
+    name="kl_cov", fn=kl_cov_loss,
+    fields=("cov_ratio", "cov_kl_coef", "kl_cov_positive_only", "kl_cov_base"), ratio="old",
+    fields_when=lambda o: ("eps_low", "eps_high") if o.kl_cov_base == "ppo_clip" else (),
+    detached=("old log-probs", "the covariance"), aggregation="token_mean", text=_kl_cov_text, validate=_check_kl_cov,
+    params=(COV_RATIO, COV_KL_COEF, KL_COV_POSITIVE_ONLY, KL_COV_BASE),  # eps_low / eps_high: declared by _clip
     call=lambda o, x: kl_cov_loss(x.logp, x.ratio_logp, x.advantages, x.mask, kl_ratio=o.cov_ratio,
-                                  kl_coef=o.cov_kl_coef, **x.agg),
+                                  kl_coef=o.cov_kl_coef, positive_only=o.kl_cov_positive_only, base=o.kl_cov_base,
+                                  eps_low=o.eps_low, eps_high=o.eps_high_, **x.agg),
 ))

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .. import _checks
 from .._policy_stats import _fast_policy_metrics
 from ..registry import Param, PolicyTerm, finite_positive, register_policy_term
 from ..types import LossResult
@@ -158,10 +159,21 @@ __all__ = ["gmpo_loss", "CLIP_LEVELS"]
 _LOG_CLIP_DOC = "GMPO's clip range on the token *log* ratio."
 LOG_CLIP_LOW = Param("log_clip_low", 0.4, _LOG_CLIP_DOC, float, lambda v: finite_positive("log_clip_low", v))
 LOG_CLIP_HIGH = Param("log_clip_high", 0.4, _LOG_CLIP_DOC, float, lambda v: finite_positive("log_clip_high", v))
+GMPO_CLIP_LEVEL = Param("gmpo_clip_level", "token", "GMPO's clipping: ``\"token\"`` clips each token's log ratio "
+                        "(the paper's default) or ``\"sequence\"`` clips the response's mean log ratio (the paper's "
+                        "§3 alternative; a clipped response has no gradient). ``gmpo_loss(clip_level=)``.", str,
+                        lambda v: _checks.check_choice("gmpo_clip_level", v, CLIP_LEVELS))
 
 
 def _gmpo_text(o) -> str:
     cl, ch = o.log_clip_low, o.log_clip_high
+    if o.gmpo_clip_level == "sequence":
+        return ("z_it = log π_θ(y_it) − sg[log π_old(y_it)],  z̄_i = (1/L_i) Σ_t z_it\n"
+                f"z̃_i = min(z̄_i, {ch:g}) if A_i > 0;  max(z̄_i, −{cl:g}) if A_i < 0   "
+                "(sequence-level clip of the mean log ratio)\n"
+                "x_it = − A_i · exp(z̃_i)   at every token of response i   (geometric mean of the ratios, clipped)\n"
+                "    gradient (A_i s̃_i / L_i) ∇log π_θ(y_it) at every token of an unclipped response, 0 for every token "
+                "of a clipped one")
     return ("z_it = log π_θ(y_it) − sg[log π_old(y_it)]\n"
             f"z̃_it = min(z_it, {ch:g}) if A_i > 0;  max(z_it, −{cl:g}) if A_i < 0   (token-level clip in log space)\n"
             "x_it = − A_i · exp((1/L_i) Σ_t z̃_it)   at every token of response i   (geometric mean of clipped ratios)\n"
@@ -169,9 +181,10 @@ def _gmpo_text(o) -> str:
 
 
 register_policy_term(PolicyTerm(
-    name="gmpo", zero_without_advantage=True, fn=gmpo_loss, fields=("log_clip_low", "log_clip_high"), ratio="old",
+    name="gmpo", zero_without_advantage=True, fn=gmpo_loss, fields=("log_clip_low", "log_clip_high", "gmpo_clip_level"),
+    ratio="old",
     detached=("old log-probs",), aggregation="seq_mean_token_mean", text=_gmpo_text, sequence_advantages=True,
-    params=(LOG_CLIP_LOW, LOG_CLIP_HIGH),
+    params=(LOG_CLIP_LOW, LOG_CLIP_HIGH, GMPO_CLIP_LEVEL),
     call=lambda o, x: gmpo_loss(x.logp, x.ratio_logp, x.advantages, x.mask, clip_low=o.log_clip_low,
-                                clip_high=o.log_clip_high, **x.agg),
+                                clip_high=o.log_clip_high, clip_level=o.gmpo_clip_level, **x.agg),
 ))

@@ -158,7 +158,9 @@ _ORDER = ("name", "loss", "advantage", "aggregation", "constant", "eps_low", "ep
           "entropy_coef_lr", "entropy_coef_max", "paper", "jsd_beta", "jsd_normalized", "std_unbiased",
           "whiten_advantages", "kl_bias_correction", "dpo_loss_type", "label_smoothing", "simpo_gamma", "sapo_level",
           "weight_eps_low", "log_clip_low", "log_clip_high", "delta_low", "delta_high", "dppo_ratio_cap", "cov_ratio",
-          "cov_low", "cov_kl_coef", "rollout_correction")
+          "cov_low", "cov_kl_coef", "rollout_correction", "mask_eps_low", "mask_eps_high", "cov_selected", "cov_band",
+          "cov_exclude_clipped", "kl_cov_positive_only", "kl_cov_base", "gmpo_clip_level", "whiten_eps_placement",
+          "whiten_empty", "maxrl_eps", "maxrl_eps_mode", "maxrl_centred")  # the order of the fields whatever imports first
 
 
 def _fields() -> Tuple[Param, ...]:
@@ -265,6 +267,9 @@ class _ObjectiveMethods:
     def read_fields(self) -> Tuple[str, ...]:
         """Every field this recipe's loss, advantages or schedule read (the rest have no effect)."""
         f = list(_ALWAYS) + list(self.term.fields) + list(self.estimator.fields)
+        for entry in (self.term, self.estimator):
+            if entry.fields_when is not None:
+                f += list(entry.fields_when(self))
         if self.kl_placement != "none":
             f += ["kl_coef", "kl_kind"]
         if self.kl_placement == "loss":
@@ -433,7 +438,8 @@ class _ObjectiveMethods:
                 if old_logp is None:
                     raise ValueError("old_logp: required by rollout_correction in 'decoupled' mode (the proximal log-probs)")
                 target = old_logp
-            corr = rc(behaviour_logp, target, mask, advantages=advantages if rc.seq_mask_delta is not None else None)
+            corr = rc(behaviour_logp, target, mask, advantages=advantages if rc.seq_mask_delta is not None else None,
+                      current_logp=logp.detach())
             agg["weights"] = corr.weight
         res = term.call(self, PolicyInputs(logp, advantages, mask, ratio_logp, old_logp, behaviour_logp, ref_logp, agg))
         loss, metrics = res.loss, dict(res.metrics)

@@ -4,8 +4,8 @@ Every field's own domain is checked by its declaration (:class:`trajgrad.registr
 ``check``, in the module that declares it); this module holds the rules between fields that keep
 printed = optimized: a group size the estimator accepts, a KL coefficient exactly when a KL term
 is placed, a critic only with an estimator that uses one, KL and entropy terms only for
-token-level terms, an advantage estimator exactly when the term takes one, and each entry's own
-``validate``.
+token-level terms, an advantage estimator exactly when the term takes one, the sequence mask's
+advantage level given where the advantages vary within a response, and each entry's own ``validate``.
 """
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def validate(o) -> None:
     if o.rollout_correction and o.rollout_correction.mode == "decoupled" and term.ratio == "behaviour":
         raise ValueError(f"rollout_correction: loss {o.loss!r} takes its ratio against the behaviour log-probs "
                          "already; use mode 'bypass' (masks only) or no correction")
+    rc = o.rollout_correction
+    if rc and rc.seq_mask_delta is not None and rc.advantage_level is None and est.level == "token":
+        raise ValueError(f"rollout_correction.advantage_level: the off-policy sequence mask (seq_mask_delta) is given "
+                         f"per-token advantages by {o.advantage!r}, which vary within a response; give "
+                         "advantage_level 'token' or 'sequence' (or 'first')")
     if term.sequence_advantages and est.level == "token":
         raise ValueError(f"advantage: loss {o.loss!r} needs one advantage per response, {o.advantage!r} is per token")
     for check in (term.validate, est.validate):

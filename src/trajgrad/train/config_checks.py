@@ -74,9 +74,10 @@ def _strict_check(hint: Any, value: Any) -> Optional[str]:
 
 
 def _split_field_message(msg: str, fields: Iterable[str]) -> tuple[Optional[str], str]:
-    """``"max_turns: expected ..."`` -> ("max_turns", "expected ...") when the prefix is a field."""
+    """``"max_turns: expected ..."`` -> ("max_turns", "expected ...") when the prefix is a field (or a key of
+    one: ``"rollout_correction.advantage_level: ..."``)."""
     head, sep, rest = str(msg).partition(":")
-    if sep and head.strip() in set(fields):
+    if sep and head.strip().split(".")[0] in set(fields):
         return head.strip(), rest.strip()
     return None, str(msg)
 

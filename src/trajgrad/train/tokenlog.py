@@ -155,7 +155,7 @@ def token_values(objective, mb, logp: torch.Tensor, entropy: Optional[torch.Tens
         if rc and behaviour_logp is not None:
             target = lp if bypass else old_logp.detach()
             corr = rc(behaviour_logp, target, mb.action_mask,
-                      advantages=advantages if rc.seq_mask_delta is not None else None)
+                      advantages=advantages if rc.seq_mask_delta is not None else None, current_logp=lp)
         keep = mask if corr is None else corr.keep.bool()
         zero = mask & keep & (adv != 0) & (grad == 0)
         values = {"adv": adv, "logp": lp, "old": old_logp.double(), "ratio": ratio, "grad": grad, "zero_grad": zero}

@@ -36,16 +36,19 @@ def sampler_learner_metrics(learner, behaviour, entropy, mask) -> Dict[str, floa
 
 
 def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torch.Tensor, target_logp: torch.Tensor,
-                       advantages: Optional[torch.Tensor] = None) -> Dict[str, float]:
+                       advantages: Optional[torch.Tensor] = None,
+                       current_logp: Optional[torch.Tensor] = None) -> Dict[str, float]:
     r"""The recipe's rollout-correction metrics over the whole batch, and per turn (§7, §16).
 
     The correction (:meth:`RolloutCorrection.__call__`) is computed once on the whole batch,
     from ``behaviour_logp`` :math:`\log\mu` and ``target_logp`` (:math:`\log\pi_{old}` in
     ``"decoupled"`` mode, the current :math:`\log\pi_\theta` in ``"bypass"``), so the
     sequence-level weights and the min / max / effective sample size are those of the step,
-    not averages over micro-batches. Its ``correction/*`` metrics are returned, and, for each
+    not averages over micro-batches (``current_logp``, the first epoch's :math:`\log\pi_\theta`, is
+    the sequence mask's policy with ``mismatch_policy="current"``). Its ``correction/*`` metrics are
+    returned, and, for each
     turn index ``k`` present (``batch.turn_ids``), the same quantities restricted to that
-    turn's action tokens (:func:`trajgrad.correction.turn_metrics`):
+    turn's action tokens (:func:`trajgrad.logprobs.correction.turn_metrics`):
     ``correction/turn{k}/weight/mean|min|max``, ``ess`` (Kish, over the turn's tokens),
     ``kept_frac``, ``dropped_frac``, and each reason separately: ``truncated_frac``,
     ``masked_frac``, ``rejected_frac``, ``seq_masked_frac``; ``kl/k1`` and ``kl/k3`` (of
@@ -57,7 +60,7 @@ def correction_metrics(obj: Objective, batch: RolloutBatch, behaviour_logp: torc
         beh = torch.where(mask, behaviour_logp.detach().double(), 0.0)
         tgt = torch.where(mask, target_logp.detach().double(), 0.0)
         adv = None if rc.seq_mask_delta is None else advantages
-        corr = rc(beh, tgt, mask, advantages=adv)
+        corr = rc(beh, tgt, mask, advantages=adv, current_logp=current_logp)
         out = {k: float(v) for k, v in corr.metrics.items()}
         out.update(turn_metrics(corr, beh, tgt, mask, batch.turn_ids))
     return out

@@ -403,7 +403,8 @@ def policy_step(st: LearnerState, step: PolicyStep) -> Dict[str, float]:
     if rc:
         # the targets the correction used: pi_old (fixed over the epochs) or the first epoch's pi_theta
         target = old_logp if (old_logp is not None and rc.mode == "decoupled") else in_batch_order(first_logp, mbs)
-        metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages))
+        metrics.update(correction_metrics(obj, batch, behaviour_logp, target, advantages,
+                                          current_logp=in_batch_order(first_logp, mbs)))
     behaviour = step.behaviour
     if behaviour is not None and first_logp:
         # the first epoch's log-probs are those of the weights before the step (pi_old)
