@@ -65,3 +65,22 @@ def normalizer(mode: str, denominator, like: torch.Tensor, *, tokens: Callable[[
     if mode == "token_sum":
         return torch.ones((), dtype=like.dtype, device=like.device)
     return rows().to(like.dtype).clamp_min(1.0)
+
+
+def aggregate_valid(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, constant: Optional[float] = None,
+                    denominator=None, name: str = "per_token") -> torch.Tensor:
+    r""":math:`\operatorname{agg}_{mode}` of ``per_token`` over an already-validated mask (§13).
+
+    The caller has checked the arguments once, at its boundary: ``per_token`` a floating ``[B, L]``
+    tensor, ``mask`` a ``bool`` tensor of its shape, ``mode``/``constant`` by :func:`validate_mode`.
+    Only the values read here are checked: a NaN/inf of ``per_token`` at a valid position raises
+    ``ValueError`` naming ``name``; masked positions are selected away (never multiplied by 0).
+    """
+    _checks.check_finite(name, per_token, mask)
+    x = _checks.fill_masked(per_token, mask)
+    lengths = mask.sum(-1)
+    num = numerator(mode, row_means=lambda: (x.sum(-1) / lengths.clamp_min(1).to(x.dtype)).sum(), total=x.sum,
+                    width=mask.shape[-1], constant=constant)
+    d = normalizer(mode, denominator, x, tokens=lambda: mask.sum().to(torch.float64),
+                   rows=lambda: mask.any(-1).sum().to(torch.float64))
+    return num / d

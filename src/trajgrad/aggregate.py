@@ -50,7 +50,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from . import _checks
-from ._aggregation import MODES, normalizer, numerator, validate_mode
+from ._aggregation import MODES, aggregate_valid, validate_mode
 
 Number = Union[float, int, torch.Tensor]
 
@@ -95,15 +95,7 @@ def aggregate(
     _checks.check_floating("per_token", per_token)
     mask = _checks.check_mask("mask", mask, per_token.shape)
     validate_mode(mode, constant)
-    _checks.check_finite("per_token", per_token, mask)
-    x = _checks.fill_masked(per_token, mask)
-
-    lengths = mask.sum(-1)
-    num = numerator(mode, row_means=lambda: (x.sum(-1) / lengths.clamp_min(1).to(x.dtype)).sum(), total=x.sum,
-                    width=mask.shape[-1], constant=constant)
-    d = normalizer(mode, denominator, x, tokens=lambda: mask.sum().to(torch.float64),
-                   rows=lambda: mask.any(-1).sum().to(torch.float64))
-    return num / d
+    return aggregate_valid(per_token, mask, mode, constant=constant, denominator=denominator)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import _checks, advantages, losses  # noqa: F401  (their entries)
-from ..aggregate import MODES, aggregate
+from .._aggregation import aggregate_valid, validate_mode
+from ..aggregate import MODES
 from ..entropy_control import next_entropy_coef
 from ..logprobs.correction import OFF, RolloutCorrection
 from ..losses import kl_estimate, resolve_eps_high, value_loss
@@ -419,6 +420,10 @@ class _ObjectiveMethods:
         bypass = bool(rc) and rc.mode == "bypass"
         if rc and behaviour_logp is None:
             raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
+        if rc or self.kl_placement == "loss" or self.entropy_coef > 0:
+            # read by more than the term: the mask is checked once, here, and handed on as bool (not re-read)
+            mask = _checks.check_mask("mask", mask, tuple(_checks.as_tensor("logp", logp).shape))
+            validate_mode(self.aggregation, self.constant if constant is None else constant)
         ratio_logp = None
         if term.ratio == "old" and not bypass:
             if old_logp is None:
@@ -450,15 +455,16 @@ class _ObjectiveMethods:
                 raise ValueError("ref_logp: required when kl_placement is 'loss'")
             # bias correction: ratio to the sampling policy; on-policy (no old_logp) sg[log π_θ] itself
             ratio_to = (old_logp if old_logp is not None else logp.detach()) if self.kl_bias_correction else None
-            kl_term = aggregate(self.kl_per_token(logp, ref_logp, mask, old_logp=ratio_to),
-                                mask, self.aggregation, constant=c, denominator=denominator)
+            kl_term = aggregate_valid(self.kl_per_token(logp, ref_logp, mask, old_logp=ratio_to),
+                                      mask, self.aggregation, constant=c, denominator=denominator, name="kl")
             loss = loss + self.kl_coef * kl_term
             metrics["kl_loss_term"] = kl_term.detach()
         if self.entropy_coef > 0:
             if entropy is None:
                 raise ValueError("entropy: required when entropy_coef > 0 (per-token entropy with its gradient)")
             _checks.check_shape("entropy", entropy, tuple(logp.shape), against="logp")
-            ent = aggregate(entropy, mask, self.aggregation, constant=c, denominator=denominator)
+            _checks.check_floating("entropy", entropy)
+            ent = aggregate_valid(entropy, mask, self.aggregation, constant=c, denominator=denominator, name="entropy")
             loss = loss - self.entropy_coef * ent
             metrics["entropy_bonus_term"] = ent.detach()
         return LossResult(loss, metrics)
