@@ -60,6 +60,7 @@ def _first_import(name):
     (the new module stays, nothing is executed again)."""
     sys.modules.pop(name, None)
     parent, _, child = name.rpartition(".")
+    importlib.import_module(parent)  # the package itself (trajgrad.losses for trajgrad.losses.lagrange)
     if child in vars(sys.modules[parent]):
         delattr(sys.modules[parent], child)
     __import__(name)  # an import statement's path: the warning names this line
