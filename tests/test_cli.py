@@ -54,3 +54,25 @@ def test_train_rejects_bad_value_naming_key():
     assert res.exit_code == 2 and "optim.lr" in res.output
     res = runner.invoke(app, ["train", "--preset", "nope"])
     assert res.exit_code == 2 and "preset" in res.output
+
+
+def test_explain_diff_set_names_each_new_option_on_one_side_only():
+    cases = [("cispo", ["mask_eps_high=0.28", "mask_eps_low=0.2"], "unified PPO mask"),
+             ("gmpo", ["gmpo_clip_level=sequence"], "gmpo_clip_level"),
+             ("maxrl", ["maxrl_eps_mode=add", "maxrl_eps=0.1"], "maxrl_eps_mode"),
+             ("clip_cov", ["cov_band=closed"], "cov_band"),
+             ("kl_cov", ["kl_cov_positive_only=false"], "kl_cov_positive_only")]
+    for recipe, sets, shown in cases:
+        args = ["explain", recipe, "--diff", recipe]
+        for s in sets:
+            args += ["--diff-set", s]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        differ = res.output.split("fields that differ:")[1].split("\n\n")[0]
+        for s in sets:
+            assert s.split("=")[0] in differ, (recipe, res.output)
+        assert shown in res.output
+    res = runner.invoke(app, ["explain", "cispo", "--diff-set", "mask_eps_high=0.28"])
+    assert res.exit_code == 2 and "--diff-set: needs --diff" in res.output
+    res = runner.invoke(app, ["explain", "gmpo", "--diff", "gmpo", "--diff-set", "gmpo_clip_level=rows"])
+    assert res.exit_code == 2 and "gmpo_clip_level" in res.output and "Traceback" not in res.output

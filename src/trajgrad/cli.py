@@ -43,6 +43,8 @@ def explain(
     all_: bool = typer.Option(False, "--all", help="Explain every recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: key=value (repeatable)."),
     diff: Optional[str] = typer.Option(None, "--diff", help="A second recipe or config: print the two term by term."),
+    diff_set: Optional[List[str]] = typer.Option(None, "--diff-set", help="Override a field of the --diff side only: "
+                                                 "key=value (repeatable; after --set, which applies to both)."),
 ) -> None:
     """Print the exact estimator a recipe (or a config) optimizes; with --diff, what differs between two."""
     objective = trajgrad.objective
@@ -54,10 +56,14 @@ def explain(
 
     try:
         overrides = _parse_sets(set_)
+        if diff_set and diff is None:
+            raise ValueError("--diff-set: needs --diff (e.g. trajgrad explain cispo --diff cispo --diff-set "
+                             "mask_eps_high=0.28)")
         if diff is not None:
             if recipe is None:
                 raise ValueError("recipe: --diff needs two recipes or configs: trajgrad explain A --diff B")
-            typer.echo(objective.explain_diff(resolve(recipe, overrides), resolve(diff, overrides)))
+            other = {**overrides, **_parse_sets(diff_set)}
+            typer.echo(objective.explain_diff(resolve(recipe, overrides), resolve(diff, other)))
             return
         if all_ or recipe is None:
             names = list(objective.RECIPES)
