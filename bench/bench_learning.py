@@ -90,6 +90,20 @@ TASK_CHANGES: Dict[str, str] = {
              "= 7.8%, inside the band."),
 }
 
+# What a task's rows show beyond their figures (found in the runs' own records), for the report.
+TASK_NOTES: Dict[str, str] = {
+    "tiny": ("seed 1 is the outlier (the earlier record had 46.9% for it). GRPO taught the calculator call on every "
+             "seed (after training every held-out episode calls it: mean reward − success = 0.100, the call's format "
+             "bonus), but seed 1's SFT warm start did not learn to read the tool's result. In the first step's "
+             "rollouts (the warm-started policy, temperature 0.7) seed 0 answered with the returned value in 34 of its 43 "
+             "calls with the right expression, seed 1 in 9 of 28, writing its own guess instead (`<calc>38 + 49</calc>` "
+             "→ 87 → `<answer>85</answer>`). Reading the result then has to come from the final reward alone, and a "
+             "group whose 8 rollouts all call and all miss scores 0.1 each: no signal. Zero-variance groups per step: "
+             "mean 24.7% (up to 50%) on seed 1, 11.1% on seed 0. After 30 steps seed 1 answered with the result in 67 "
+             "of 120 right calls (seed 0: 93 of 121), still rising. The warm start reproduces the earlier record "
+             "(after SFT 8.6% and 10.9% on seeds 0 and 1 both times)."),
+}
+
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
 RECIPES: Dict[str, Dict[str, Any]] = {
     "default": {},
@@ -330,9 +344,9 @@ def _seed_summary(rows: List[Dict[str, Any]]) -> List[str]:
         same = [r for r in rows if r["recipe"] == recipe]
         if len({r["seed"] for r in same}) != len(same) or len(same) < 2:
             continue  # a seed run twice is not a sample of seeds
-        parts = [f"{name} {s['mean']:.1f}% ± {s['sd']:.1f} (range {s['min']:.1f}–{s['max']:.1f}%)"
-                 for name, s in ((side, seed_summary(same, side)) for side in ("before", "after_sft", "after")
-                                 if all(side in r for r in same))]
+        sides = {"before": "before", "after_sft": "after SFT", "after": "after"}
+        parts = [f"{sides[side]} {s['mean']:.1f}% ± {s['sd']:.1f} (range {s['min']:.1f}–{s['max']:.1f}%)"
+                 for side, s in ((side, seed_summary(same, side)) for side in sides if all(side in r for r in same))]
         out.append(f"{recipe}, over {len(same)} seeds ({', '.join(str(r['seed']) for r in same)}), mean ± sample sd: "
                    + "; ".join(parts) + ".")
     return out + [""] if out else []
@@ -380,6 +394,8 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
                 f"{_load_text(r)} | {r.get('torch_threads', '?')} | {r['commit']} |")
         lines.append("")
         lines += _sft_rows(rows) + _seed_summary(rows)
+        if task in TASK_NOTES:
+            lines += [f"{task}: {TASK_NOTES[task]}", ""]
     if plot:
         lines += [f"![held-out success vs wall time per recipe]({plot})", ""]
     return "\n".join(lines)
