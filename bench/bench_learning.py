@@ -96,12 +96,13 @@ TASK_NOTES: Dict[str, str] = {
              "seed (after training every held-out episode calls it: mean reward − success = 0.100, the call's format "
              "bonus), but seed 1's SFT warm start did not learn to read the tool's result. In the first step's "
              "rollouts (the warm-started policy, temperature 0.7) seed 0 answered with the returned value in 34 of its 43 "
-             "calls with the right expression, seed 1 in 9 of 28, writing its own guess instead (`<calc>38 + 49</calc>` "
+             "calls with the right expression, seed 2 in 20 of 34, seed 1 in 9 of 28, writing its own guess instead (`<calc>38 + 49</calc>` "
              "→ 87 → `<answer>85</answer>`). Reading the result then has to come from the final reward alone, and a "
-             "group whose 8 rollouts all call and all miss scores 0.1 each: no signal. Zero-variance groups per step: "
-             "mean 24.7% (up to 50%) on seed 1, 11.1% on seed 0. After 30 steps seed 1 answered with the result in 67 "
-             "of 120 right calls (seed 0: 93 of 121), still rising. The warm start reproduces the earlier record "
-             "(after SFT 8.6% and 10.9% on seeds 0 and 1 both times)."),
+             "group whose 8 rollouts all call and all miss scores 0.1 each: no signal. Such groups: 100 of seed 1's 480 "
+             "(30 steps × 16; zero-variance groups of any return: 24.7% per step on average, up to 50%), 7 of seed 0's and 9 of seed 2's "
+             "(zero-variance groups of any return 11.1% and 22.7%, mostly all solved). After 30 steps seed 1 answered with the result in 67 "
+             "of 120 right calls (seed 0: 93 of 121, seed 2: 108 of 121), still rising. The warm start reproduces the earlier record "
+             "(after SFT 8.6%, 10.9%, 5.5% on seeds 0, 1, 2 both times)."),
 }
 
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
