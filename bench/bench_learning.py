@@ -68,7 +68,12 @@ TASKS: Dict[str, Dict[str, Any]] = {
     # replied in prose without a number)
     "game": {"task.name": "higher_lower", "task.options": {"example": False, "example_turns": True},
              "sampling.max_new_tokens": 16},
+    # the ``tiny`` preset unchanged (a random tiny model, SFT warm start then GRPO, 128 held-out additions)
+    "tiny": {},
 }
+
+# The preset each task starts from (``default`` unless named here).
+TASK_PRESETS: Dict[str, str] = {"tiny": "tiny"}
 
 # Each change of a task after its base rate was first measured (the issue allows one), for the report.
 TASK_CHANGES: Dict[str, str] = {
@@ -83,6 +88,21 @@ TASK_CHANGES: Dict[str, str] = {
              "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
              "before the first message instead (`{\"example\": false, \"example_turns\": true}`), which measured 5/64 "
              "= 7.8%, inside the band."),
+}
+
+# What a task's rows show beyond their figures (found in the runs' own records), for the report.
+TASK_NOTES: Dict[str, str] = {
+    "tiny": ("seed 1 is the outlier (the earlier record had 46.9% for it). GRPO taught the calculator call on every "
+             "seed (after training every held-out episode calls it: mean reward − success = 0.100, the call's format "
+             "bonus), but seed 1's SFT warm start did not learn to read the tool's result. In the first step's "
+             "rollouts (the warm-started policy, temperature 0.7) seed 0 answered with the returned value in 34 of its 43 "
+             "calls with the right expression, seed 2 in 20 of 34, seed 1 in 9 of 28, writing its own guess instead (`<calc>38 + 49</calc>` "
+             "→ 87 → `<answer>85</answer>`). Reading the result then has to come from the final reward alone, and a "
+             "group whose 8 rollouts all call and all miss scores 0.1 each: no signal. Such groups: 100 of seed 1's 480 "
+             "(30 steps × 16; zero-variance groups of any return: 24.7% per step on average, up to 50%), 7 of seed 0's and 9 of seed 2's "
+             "(zero-variance groups of any return 11.1% and 22.7%, mostly all solved). After 30 steps seed 1 answered with the result in 67 "
+             "of 120 right calls (seed 0: 93 of 121, seed 2: 108 of 121), still rising. The warm start reproduces the earlier record "
+             "(after SFT 8.6%, 10.9%, 5.5% on seeds 0, 1, 2 both times)."),
 }
 
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
@@ -218,7 +238,7 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
     overrides = cell_overrides(task, recipe, seed, steps=steps, sets=sets)
     if base_only:
         overrides.update({"train.steps": 0, "eval.after": False, "checkpoint.every": 0, "sft.steps": 0})
-    cfg = load_config(preset="default", overrides=overrides)
+    cfg = load_config(preset=TASK_PRESETS.get(task, "default"), overrides=overrides)
     base = Trainer
     if cfg.asynchronous.enabled:
         from trajgrad.train.asynchronous import AsyncTrainer
@@ -254,6 +274,11 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
     if before.outcomes is None or after.outcomes is None or len(before.outcomes) != len(after.outcomes):
         raise RuntimeError("the before/after evaluations do not have one outcome per held-out task")
     b, c = paired_counts(before.outcomes, after.outcomes)
+    sft_side = trainer.evals.get("after_sft")
+    if sft_side is not None and sft_side.outcomes is not None:  # the RL gain: after the warm start -> after
+        b_rl, c_rl = paired_counts(sft_side.outcomes, after.outcomes)
+        record.update({"after_sft": _side(sft_side),
+                       "mcnemar_rl": {"improved": b_rl, "worsened": c_rl, "p": mcnemar_exact_test(b_rl, c_rl)}})
     record.update({
         "after": _side(after), "mcnemar": {"improved": b, "worsened": c, "p": mcnemar_exact_test(b, c)},
         "steps": trainer.step, "steps_planned": int(steps) if steps is not None else None,
@@ -287,6 +312,45 @@ def _load_text(r: Dict[str, Any]) -> str:
         parts.append(f"{r['load_steps_mean']:.1f}")
     parts.append(f"{r['load_end'][0]:.1f}" if r.get("load_end") else "?")
     return " / ".join(parts)
+
+
+def _sft_rows(rows: List[Dict[str, Any]]) -> List[str]:
+    """The RL gain of the cells with an SFT warm start: after the warm start -> after, paired."""
+    rows = [r for r in rows if "after_sft" in r]
+    if not rows:
+        return []
+    out = ["With the SFT warm start (before = the untrained model above): after SFT → after RL, McNemar's exact test "
+           "on the same held-out tasks.", "",
+           "| recipe | seed | after SFT | after RL | improved / worsened | McNemar p |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["recipe"], r["seed"], r["started_utc"])):
+        m = r["mcnemar_rl"]
+        out.append(f"| {r['recipe']} | {r['seed']} | {_pct(r['after_sft'])} | {_pct(r['after'])} | "
+                   f"{m['improved']} / {m['worsened']} | {m['p']:.2g} |")
+    return out + [""]
+
+
+def seed_summary(rows: List[Dict[str, Any]], side: str = "after") -> Dict[str, float]:
+    """Held-out success (%) of ``side`` over the rows (one per seed): n, mean, sample sd, min, max."""
+    xs = [100.0 * r[side]["success"] for r in rows]
+    mean = sum(xs) / len(xs)
+    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return {"n": len(xs), "mean": mean, "sd": sd, "min": min(xs), "max": max(xs)}
+
+
+def _seed_summary(rows: List[Dict[str, Any]]) -> List[str]:
+    """One line per recipe run with two seeds or more: held-out success over the seeds."""
+    out = []
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        same = [r for r in rows if r["recipe"] == recipe]
+        if len({r["seed"] for r in same}) != len(same) or len(same) < 2:
+            continue  # a seed run twice is not a sample of seeds
+        sides = {"before": "before", "after_sft": "after SFT", "after": "after"}
+        parts = [f"{sides[side]} {s['mean']:.1f}% ± {s['sd']:.1f} (range {s['min']:.1f}–{s['max']:.1f}%)"
+                 for side, s in ((side, seed_summary(same, side)) for side in sides if all(side in r for r in same))]
+        out.append(f"{recipe}, over {len(same)} seeds ({', '.join(str(r['seed']) for r in same)}), mean ± sample sd: "
+                   + "; ".join(parts) + ".")
+    return out + [""] if out else []
 
 
 def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], plot: Optional[str]) -> str:
@@ -330,6 +394,9 @@ def report_markdown(cells: List[Dict[str, Any]], bases: List[Dict[str, Any]], pl
                 f"{r['eval_before_s']:.0f} s / {r['eval_after_s']:.0f} s | {r['tokens_sampled']:,} | "
                 f"{_load_text(r)} | {r.get('torch_threads', '?')} | {r['commit']} |")
         lines.append("")
+        lines += _sft_rows(rows) + _seed_summary(rows)
+        if task in TASK_NOTES:
+            lines += [f"{task}: {TASK_NOTES[task]}", ""]
     if plot:
         lines += [f"![held-out success vs wall time per recipe]({plot})", ""]
     return "\n".join(lines)

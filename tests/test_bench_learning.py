@@ -23,8 +23,9 @@ TINY = {"model": {"name": "tiny", "dtype": "float32", "lora": None,
 def test_every_cell_of_the_matrix_is_a_valid_config():
     for task in bench.TASKS:
         for recipe in bench.RECIPES:
-            cfg = load_config(preset="default", overrides=bench.cell_overrides(task, recipe, 2))
-            assert cfg.train.seed == 2 and cfg.model.name == "smollm2"
+            preset = bench.TASK_PRESETS.get(task, "default")
+            cfg = load_config(preset=preset, overrides=bench.cell_overrides(task, recipe, 2))
+            assert cfg.train.seed == 2 and cfg.model.name == ("tiny" if preset == "tiny" else "smollm2")
             assert cfg.task.n_heldout >= bench.MIN_HELDOUT
             assert cfg.recipe.name == ("grpo" if recipe == "default" else recipe)
     with pytest.raises(ValueError, match="--task"):
@@ -61,6 +62,31 @@ def test_one_cell_end_to_end_and_the_report(tmp_path):
     assert md.count(bench.SECTION) == 1 and "## Another section" in md and md.index("Another") < md.index(bench.SECTION)
     assert "| default | 0 | 1 |" in text and "(results/learning.png)" in md
     assert (tmp_path / "learning.png").stat().st_size > 1000 and (tmp_path / "learning.md").exists()
+
+
+def test_a_tiny_preset_cell_records_the_gain_over_the_sft_warm_start(tmp_path):
+    results = tmp_path / "learning.jsonl"
+    sets = {**TINY, "sft.steps": 2, "sft.batch_size": 4, "task.n_heldout": 64}
+    rec = bench.run_cell("tiny", "default", 0, steps=1, sets=sets, run_root=tmp_path / "runs", results=results,
+                         console=lambda *a, **k: None)
+    assert rec["task_name"] == "calculator" and rec["sft_s"] > 0 and rec["after_sft"]["n"] == 64
+    m = rec["mcnemar_rl"]  # paired: after the warm start -> after RL
+    assert m["improved"] - m["worsened"] == rec["after"]["successes"] - rec["after_sft"]["successes"]
+    assert m["p"] == mcnemar_exact_test(m["improved"], m["worsened"])
+    assert json.loads(Path(rec["run_dir"], "config.json").read_text())["task"]["options"]["min_operand"] == 10
+    # a second seed's line (made up) for the summary over seeds
+    k = 32 if rec["after"]["successes"] != 32 else 16
+    low, high = wilson_interval(k, 64)
+    other = {**rec, "seed": 1, "after": {"successes": k, "n": 64, "success": k / 64, "low": low, "high": high}}
+    with open(results, "a") as f:
+        f.write(json.dumps(other) + "\n")
+    text = bench.report(results, tmp_path / "learning_base.jsonl", None)
+    assert "after SFT → after RL" in text and "| default | 1 |" in text
+    x, y = 100 * rec["after"]["success"], 100 * k / 64
+    s = bench.seed_summary([rec, other])
+    assert s["n"] == 2 and s["mean"] == pytest.approx((x + y) / 2) and s["sd"] == pytest.approx(abs(x - y) / 2 ** 0.5)
+    assert (s["min"], s["max"]) == pytest.approx((min(x, y), max(x, y)))
+    assert "over 2 seeds (0, 1)" in text and f"; after {s['mean']:.1f}% ± {s['sd']:.1f} (range" in text
 
 
 def test_base_rate_of_the_game_through_the_trainer(tmp_path):
