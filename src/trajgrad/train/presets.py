@@ -43,7 +43,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "eval": {"every": 0, "during_n": 16, "temperature": 0.0},
         "checkpoint": {"every": 4},
     },
-    # A randomly initialized small model: SFT warm start, then GRPO; about 2 minutes on a CPU.
+    # A randomly initialized small model: SFT warm start, then GRPO; 15–20 minutes measured on 2 busy cores (bench_learning.py --task tiny).
     # After the warm start the model mostly answers without the calculator and guesses (held-out
     # greedy success ~8%); GRPO teaches it to call the tool (seeds 0, 1, 2: 89.1%, 50.0%, 89.8% held-out; README "Seed stability").
     "tiny": {
