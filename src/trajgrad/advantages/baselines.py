@@ -300,9 +300,9 @@ STD_EPS = Param("std_eps", 1e-6, "ε in ``(R - mean)/(std + ε)``.", float,
                 lambda v: finite_positive("std_eps", v, allow_zero=True))
 STD_UNBIASED = Param("std_unbiased", False, "the group (and batch) std of the std-scaling estimators divides by G − 1 "
                      "(Bessel; verl's and TRL's GRPO) instead of G (default, the population std): at G = 8 the "
-                     "advantages are 6.5% smaller (``trajgrad.baselines.group_advantages``).", bool,
+                     "advantages are 6.5% smaller (``trajgrad.advantages.group_advantages``).", bool,
                      lambda v: flag("std_unbiased", v))
-_WHITEN_DOC = ("batch whitening (REINFORCE++ and GAE's ``whiten_advantages``; :func:`trajgrad.baselines.whiten`): "
+_WHITEN_DOC = ("batch whitening (REINFORCE++ and GAE's ``whiten_advantages``; :func:`trajgrad.advantages.whiten`): "
                "``whiten_eps_placement`` ``\"variance\"`` divides by sqrt(σ² + ε) (verl), ``\"std\"`` by σ + ε "
                "(the REINFORCE++ reference code); ``whiten_empty`` ``\"error\"`` refuses a batch with too few valid "
                "entries, ``\"zeros\"`` gives it zero advantages.")

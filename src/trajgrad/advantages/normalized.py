@@ -70,7 +70,7 @@ def reinforce_pp_advantages(
       eps: :math:`\epsilon` under the square root (verl: :math:`10^{-8}`).
       eps_placement: ``"variance"`` (:math:`\sqrt{\sigma^2+\epsilon}`, default) or ``"std"``
         (:math:`(\tilde R_i-\mu)/(\sigma+\epsilon)`, the REINFORCE++ reference code); see
-        :func:`trajgrad.baselines.whiten` for a worked example.
+        :func:`trajgrad.advantages.whiten` for a worked example.
       empty: ``"error"`` (default) or ``"zeros"``: advantages of a batch with no counted
         response (all ``lengths`` 0, or one response with ``unbiased``) are 0.
 
@@ -130,7 +130,7 @@ def reinforce_pp_token_advantages(
       token_rewards: ``[B, L]`` per-token rewards (detached).
       mask: ``[B, L]`` action mask.
       gamma: discount in ``[0, 1]``.
-      unbiased, eps, eps_placement, empty: see :func:`trajgrad.baselines.whiten` (``empty="zeros"``:
+      unbiased, eps, eps_placement, empty: see :func:`trajgrad.advantages.whiten` (``empty="zeros"``:
         a batch with no valid token gives zeros).
     Returns:
       ``[B, L]`` advantages, 0 at masked positions; detached.

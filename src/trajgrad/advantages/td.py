@@ -481,7 +481,7 @@ GAMMA = Param("gamma", 1.0, _GAMMA_DOC, float, _unit("gamma"))
 LAM = Param("lam", 1.0, _GAMMA_DOC, float, _unit("lam"))
 WHITEN_ADVANTAGES = Param(
     "whiten_advantages", False, "GAE advantages are whitened over every valid token of the batch, (A − μ) / "
-    "sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``; ``trajgrad.baselines.whiten``; "
+    "sqrt(σ² + 1e-8) with Bessel's variance (verl's ``compute_gae_advantage_return``; ``trajgrad.advantages.whiten``; "
     "``whiten_eps_placement`` / ``whiten_empty`` choose the form); the value targets stay unwhitened.", bool, lambda v: flag("whiten_advantages", v))
 
 

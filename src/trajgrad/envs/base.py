@@ -19,7 +19,7 @@ An assistant action ends with the ``<|im_end|>`` token (its EOS).
 * ``"success"`` (bool): set on the last step of an episode.
 * ``"cost"`` (float): the constraint cost of this step, :math:`C` in §22.
 * ``"potential"`` (float): :math:`\Phi(s_{t+1})` of the new state, §21; the trainer
-  shapes rewards with ``trajgrad.returns.shape_rewards`` (the environment never adds
+  shapes rewards with ``trajgrad.advantages.shape_rewards`` (the environment never adds
   the shaping term to ``reward`` itself).
 * ``"tool"`` (str) and ``"tool_error"`` (str or None): the tool called at this step.
 * ``"compact"`` (str): a summary of the state; the collector starts a new sub-trace

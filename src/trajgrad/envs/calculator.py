@@ -35,7 +35,7 @@ returned a correct intermediate value (the value of a sub-expression of the task
 final value included), else 0; :math:`\Phi = 0` in the terminal state (absorbing-state
 convention, so the shaped return is :math:`G_0 - \Phi(s_0) = G_0`). The environment
 only reports it in ``info["potential"]``; the trainer applies
-``trajgrad.returns.shape_rewards``.
+``trajgrad.advantages.shape_rewards``.
 
 Splits: the SHA-256 of the canonical expression decides its split (``heldout`` for a
 fixed fraction of hashes), so train and heldout are disjoint by construction for every

@@ -16,7 +16,7 @@ Potential (§21): with :math:`[lo, hi]` the interval still consistent with the r
 
 so :math:`\Phi(s_0) = -1` and :math:`\Phi = 0` once one candidate is left (and in the
 terminal state). Each informative reply raises it; with shaping through
-``trajgrad.returns.shape_rewards`` the per-turn bonus rewards halving the interval,
+``trajgrad.advantages.shape_rewards`` the per-turn bonus rewards halving the interval,
 and the telescoping sum keeps the optimal policy unchanged.
 
 Compaction (§19): with ``compact_every=k``, every ``k``-th turn of an unfinished

@@ -154,7 +154,7 @@ class RolloutCorrection:
 
     Attributes:
       kind: ``"tis"`` | ``"mis"`` | ``"none"``.
-      level: ``"token"`` | ``"sequence"`` | ``"geometric"`` (``mis`` only).
+      level: ``"token"`` | ``"sequence"`` | ``"geometric"`` (the mean log ratio of the row, TIS and MIS).
       cap: TIS cap :math:`C>0` (default 2, Yao et al.).
       cap_low: TIS lower cap :math:`0<c<C` (two-sided TIS) or ``None`` (one-sided, default).
       bounds: MIS bounds :math:`0\\le a\\le b` (default IcePop's ``(0.5, 5.0)``).

@@ -440,7 +440,7 @@ def weighted(term: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 WEIGHTS_DOC = """weights: optional ``[B, L]`` per-token multiplier of the per-token term before
-        aggregation (detached; e.g. :attr:`trajgrad.correction.Correction.weight`). A token
+        aggregation (detached; e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`). A token
         with weight 0 leaves the numerator but keeps its place in the denominator."""
 
 __all__ = ["Inputs", "SequenceTerm", "prepare", "aggregate_tokens", "aggregate_sequences", "sequence_advantages", "ratio_metrics",

@@ -3,7 +3,7 @@ r"""GSPO and GSPO-token: clipping a length-normalized sequence ratio (spec §17)
 Zheng et al., 2025, "Group Sequence Policy Optimization". The sequence ratio is the
 geometric mean of the token ratios,
 :math:`s_i=\exp[\frac1{L_i}\sum_t(\ell^\theta_{i,t}-\ell^{old}_{i,t})]`
-(:func:`trajgrad.ratios.gspo_sequence_ratio`), *not* the full-sequence density ratio.
+(:func:`trajgrad.logprobs.gspo_sequence_ratio`), *not* the full-sequence density ratio.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def gspo_loss(
       eps_low, eps_high: clip range on :math:`s_i`; defaults ``3e-4`` / ``4e-4`` are the
         GSPO paper's (tiny, because :math:`s_i` is a per-token geometric mean).
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's :math:`\frac1G\sum_i`).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.
@@ -223,14 +223,14 @@ def gspo_token_loss(
 
     The ratio is formed in log space, :math:`\log s_{i,t}=\mathrm{sg}[\log s_i]+
     (\ell^\theta_{i,t}-\mathrm{sg}[\ell^\theta_{i,t}])`, whose exponential equals
-    :func:`trajgrad.ratios.gspo_token_ratio` in value and gradient.
+    :func:`trajgrad.logprobs.gspo_token_ratio` in value and gradient.
 
     Args:
       logp, old_logp, mask: as in :func:`gspo_loss`.
       advantages: ``[B, L]`` per token or ``[B]`` (detached here).
       eps_low, eps_high: GSPO paper defaults ``3e-4`` / ``4e-4``.
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's token average inside
         each response, then the mean over responses).

@@ -111,7 +111,7 @@ def ppo_clip_loss(
       eps_high: upper clip :math:`\epsilon_h>0`; default ``eps_low``.
       dual_clip: :math:`c>1`, or ``None`` for no dual clip.
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the §8/§23 code: ``masked_mean``; also DAPO's
         token-level loss). GRPO's paper uses ``"seq_mean_token_mean"``.

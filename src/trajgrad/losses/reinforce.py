@@ -64,7 +64,7 @@ def reinforce_loss(
       advantages: ``[B, L]`` per token or ``[B]`` per sequence (broadcast); detached here.
       mask: ``[B, L]`` 0/1, 1 = action token sampled by the policy (§4).
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: see :mod:`trajgrad.aggregate`. Default ``"token_mean"``: the §4 code
         (``sum / action_mask.sum()``), every action token weighs the same.

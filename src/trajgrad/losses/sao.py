@@ -109,7 +109,7 @@ def sao_dis_loss(
         intervals are not PPO clip values.
       ratio_gradient: ``"detached"`` or ``"attached"`` (see above).
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"token_mean"`` (the spec's minimal code divides by
         ``action_mask.sum()``; SAO trains token-level with a critic).

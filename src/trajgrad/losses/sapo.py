@@ -145,7 +145,7 @@ def sapo_loss(
       level: ``"token"`` (the paper's SAPO, default) or ``"sequence"`` (gate on
         :math:`s_i`).
       weights: optional ``[B, L]`` detached multiplier of the per-token term before
-        aggregation (e.g. :attr:`trajgrad.correction.Correction.weight`); a weight-0 token
+        aggregation (e.g. :attr:`trajgrad.logprobs.correction.Correction.weight`); a weight-0 token
         leaves the numerator and keeps its place in the denominator.
       aggregation: default ``"seq_mean_token_mean"`` (the paper's objective above).
       constant, denominator: see :func:`trajgrad.aggregate.aggregate`.

@@ -7,8 +7,8 @@ A recipe is a frozen record of the decisions that words like "normalize", "clip"
 
 ``Objective.loss`` names a policy term and ``Objective.advantage`` an advantage estimator,
 both entries of the registries in :mod:`trajgrad.registry`; each built-in entry is declared in
-the module of its function (``trajgrad.losses.*``, ``trajgrad.baselines``, ``trajgrad.advantages``,
-``trajgrad.group_baselines``, ``trajgrad.gae``), with the :class:`~trajgrad.registry.Param`
+the module of its function (``trajgrad.losses.*``, ``trajgrad.advantages.baselines``,
+``trajgrad.advantages.normalized``, ``trajgrad.advantages.group_baselines``, ``trajgrad.advantages.td``), with the :class:`~trajgrad.registry.Param`
 declarations of the fields it owns. ``Objective``'s fields are composed from those
 declarations and the recipe-wide ones below. :meth:`Objective.policy_loss`
 computes the loss *only* through those entries, and :func:`explain` prints the estimator from
@@ -141,8 +141,9 @@ RECIPE_PARAMS: Tuple[Param, ...] = declare(
           "``low_var_kl`` (k3 clamped to [−10, 10], what verl calls ``k3``) and the straight-through ``k1+``, "
           "``k3+``, ``low_var_kl+`` (value of k1 / k3 / clamped k3, gradient of k2; verl's ``k3+`` is "
           "``low_var_kl+``).", bool, lambda v: flag("kl_bias_correction", v)),
-    Param("rollout_correction", OFF, "a :class:`trajgrad.correction.RolloutCorrection` (or a dict of its fields: "
-          "kind, level, cap, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode); ``None`` (stored "
+    Param("rollout_correction", OFF, "a :class:`trajgrad.logprobs.correction.RolloutCorrection` (or a dict of its fields: "
+          "kind, level, cap, cap_low, bounds, reject, reject_threshold, reject_level, seq_mask_delta, mode, "
+          "advantage_level, mismatch_policy); ``None`` (stored "
           "as the no-op setting) is off. Applied by :meth:`policy_loss` to every token recipe, with "
           "``behaviour_logp``.", RolloutCorrection),
 )
@@ -336,7 +337,7 @@ class _ObjectiveMethods:
         Args:
           rewards: ``[N, G]`` (``N`` prompts × ``G`` rollouts) or ``[M]`` with ``group_ids``.
         Returns:
-          ``trajgrad.baselines.GroupAdvantages`` (advantages in the shape of ``rewards``,
+          ``trajgrad.advantages.GroupAdvantages`` (advantages in the shape of ``rewards``,
           and the per-group zero-variance flags that dynamic sampling and the logs use).
         """
         if self.estimator.level != "sequence":
@@ -406,7 +407,7 @@ class _ObjectiveMethods:
         is multiplied by the detached weight computed from :math:`\pi_{old}/\mu`; in
         ``"bypass"`` mode the term's ratio is taken against ``behaviour_logp`` (``old_logp`` is
         not needed) and only the masks apply, computed from :math:`\mathrm{sg}[\pi_\theta]/\mu`
-        (:mod:`trajgrad.correction`). Dropped tokens leave the numerator and stay in the
+        (:mod:`trajgrad.logprobs.correction`). Dropped tokens leave the numerator and stay in the
         denominator. The correction's metrics (``correction/*``) join the term's. The KL and
         entropy terms are not re-weighted.
         """

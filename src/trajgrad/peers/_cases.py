@@ -241,7 +241,7 @@ VERL += [
     PeerCase("verl", "compute_opo_outcome_advantage", partial(V.outcome_advantage, "opo"), "dr_grpo", {},
              kind="advantage", ours=lambda r, g, lengths: _opo(r, g, lengths), ours_name="opo_advantages(lengths=token counts)",
              notes=("the length-weighted baseline needs the response lengths, which Objective.sequence_advantages does "
-                    "not take: compared against trajgrad.group_baselines.opo_advantages; equal lengths = dr_grpo's",
+                    "not take: compared against trajgrad.advantages.group_baselines.opo_advantages; equal lengths = dr_grpo's",
                     "a group of one keeps its raw reward (baseline 0); trajgrad's baseline is the response itself (A = 0)")),
     PeerCase("verl", "compute_remax_outcome_advantage", partial(V.remax_advantage, _greedy_reward), "reinforce", {},
              kind="advantage", ours=_remax, ours_name="remax_advantages(baseline_rewards=greedy rewards)",

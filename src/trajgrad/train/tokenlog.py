@@ -25,7 +25,7 @@ Every list has one value per *action* token of the trajectory, in order (``n`` o
   and the loss still gave it no gradient: clipped or masked by the trust region;
 * ``entropy``: the per-token entropy of the sampling distribution, when computed;
 * ``is_weight`` / ``rc_keep``: the rollout correction's detached weight and keep flag
-  (:mod:`trajgrad.correction`), present only when the recipe sets ``rollout_correction``.
+  (:mod:`trajgrad.logprobs.correction`), present only when the recipe sets ``rollout_correction``.
 
 The values are the tensors of the update (the same advantages, log-probs and masks the loss
 got); floats are rounded to 6 significant digits, non-finite ones written as ``null``. With

@@ -13,7 +13,7 @@ One optimizer step (:meth:`Trainer.train_step`, then :meth:`Trainer.learn`):
    (§21), optional Lagrangian cost penalty (§22), optional per-token KL in the reward
    (:meth:`Objective.kl_in_reward`, §9);
 5. advantages: group estimators through :meth:`Objective.sequence_advantages`; critic
-   recipes place each turn's reward on its last action token (:mod:`trajgrad.credit`),
+   recipes place each turn's reward on its last action token (:mod:`trajgrad.advantages.credit`),
    update the critic and take skip-observation GAE advantages
    (:func:`~trajgrad.train.updates.critic_update`, §20.4);
 6. the policy update (:func:`~trajgrad.train.updates.policy_update`): the recipe's loss on
@@ -301,7 +301,7 @@ class Trainer:
 
     def _advantages(self, batch: RolloutBatch, trajs: Sequence[Trajectory], turn_r: torch.Tensor,
                     logps: updates.StepLogprobs, metrics: Dict[str, float]) -> torch.Tensor:
-        """Critic recipes place each turn's reward on its last action token (:mod:`trajgrad.credit`),
+        """Critic recipes place each turn's reward on its last action token (:mod:`trajgrad.advantages.credit`),
         update the critic and take its skip-observation GAE advantages
         (:func:`~trajgrad.train.updates.critic_update`); group recipes take
         :meth:`Objective.sequence_advantages` of the sequence rewards (per environment with

@@ -11,7 +11,7 @@ the sum is the gradient of the whole batch's loss); clip; step. The steps:
   :func:`policy_step` (the loop down to ``optimizer.step()``), the trainer's steps 2, 4, 5;
 * :func:`critic_update`: ``K`` value-loss steps on TD(λ) targets, then skip-observation
   GAE advantages from the updated critic (§20.3, §20.4; bootstrap values from
-  :mod:`trajgrad.credit`);
+  :mod:`trajgrad.advantages.credit`);
 * :func:`distill_update`: on-policy distillation against the frozen teacher (§14).
 
 DPO and SFT, the steps on fixed data, are in :mod:`trajgrad.train.offline`; the metrics
@@ -457,7 +457,7 @@ def critic_update(st: LearnerState, batch: RolloutBatch, hidden: torch.Tensor,
     """``K`` critic steps on TD(λ) targets, then advantages from the updated critic (§20.3).
 
     Targets and advantages are skip-observation GAE (§20.4) with each row's terminal mask
-    and bootstrap value from :mod:`trajgrad.credit` (a compacted sub-trace bootstraps from
+    and bootstrap value from :mod:`trajgrad.advantages.credit` (a compacted sub-trace bootstraps from
     its next sub-trace, §19). Returns ``([B, L] advantages, metrics)``.
     """
     obj = st.objective
