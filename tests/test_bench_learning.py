@@ -69,7 +69,8 @@ def test_a_tiny_preset_cell_records_the_gain_over_the_sft_warm_start(tmp_path):
     sets = {**TINY, "sft.steps": 2, "sft.batch_size": 4, "task.n_heldout": 64}
     rec = bench.run_cell("tiny", "default", 0, steps=1, sets=sets, run_root=tmp_path / "runs", results=results,
                          console=lambda *a, **k: None)
-    assert rec["task_name"] == "calculator" and rec["sft_s"] > 0 and rec["after_sft"]["n"] == 64
+    # two SFT steps of a tiny model may round to 0.0 s; the warm start ran when its evaluation is there
+    assert rec["task_name"] == "calculator" and rec["sft_s"] >= 0 and rec["after_sft"]["n"] == 64
     m = rec["mcnemar_rl"]  # paired: after the warm start -> after RL
     assert m["improved"] - m["worsened"] == rec["after"]["successes"] - rec["after_sft"]["successes"]
     assert m["p"] == mcnemar_exact_test(m["improved"], m["worsened"])
