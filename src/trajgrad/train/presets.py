@@ -43,11 +43,11 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "eval": {"every": 0, "during_n": 16, "temperature": 0.0},
         "checkpoint": {"every": 4},
     },
-    # A randomly initialized small model: SFT warm start, then GRPO; 15–20 minutes measured on 2 busy
-    # cores (bench/bench_learning.py --task tiny).
+    # A randomly initialized small model: SFT warm start, then GRPO; 40-50 s on 2 quiet cores, 15-20 min
+    # when other jobs shared them (bench/bench_learning.py --task tiny).
     # After the warm start the model mostly answers without the calculator and guesses (held-out
-    # greedy success ~8%); GRPO teaches it to call the tool (seeds 0, 1, 2: 89.1%, 50.0%, 89.8% held-out;
-    # README "Seed stability").
+    # greedy success ~7%); GRPO teaches it to call the tool (seeds 0-4: 89.1%, 50.0%, 89.8%, 89.8%, 100%
+    # held-out; README "Seed stability").
     "tiny": {
         "name": "tiny-calculator-grpo",
         "model": _TINY_MODEL,
