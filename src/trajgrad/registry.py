@@ -47,6 +47,8 @@ from . import _checks
 RATIO_SOURCES = ("none", "old", "behaviour")
 TERM_KINDS = ("token", "pairwise", "distill")
 ADVANTAGE_LEVELS = ("sequence", "token", "none")
+# the extra batch inputs a term of each kind may declare (PolicyTerm.inputs)
+TERM_INPUTS = {"token": ("cost_advantages",), "distill": ("teachers",)}
 
 
 class PolicyInputs(NamedTuple):
@@ -66,6 +68,7 @@ class PolicyInputs(NamedTuple):
     behaviour_logp: Optional[torch.Tensor]
     ref_logp: Optional[torch.Tensor]
     agg: Dict[str, Any]
+    cost_advantages: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,10 @@ class PolicyTerm:
         tensors (and the shared denominator). The trainer then runs such rows forward only,
         without a backward pass (:meth:`Objective.rows_without_gradient`); ``verify`` checks
         the declaration. False (the default) differentiates every row.
+      inputs: batch inputs the term reads beyond those of its kind: ``"cost_advantages"`` (a token
+        term, :meth:`Objective.policy_loss`'s ``cost_advantages``) or ``"teachers"`` (a distill term,
+        several teachers). The trainer supplies none of them: a config naming such a term is refused
+        at load time, naming the input.
     """
 
     name: str
@@ -156,6 +163,7 @@ class PolicyTerm:
     zero_without_advantage: bool = False
     params: Tuple[Param, ...] = ()
     fields_when: Optional[Callable[[Any], Tuple[str, ...]]] = None
+    inputs: Tuple[str, ...] = ()
 
     def detached_for(self, objective) -> Tuple[str, ...]:
         return tuple(self.detached(objective)) if callable(self.detached) else tuple(self.detached)
@@ -238,6 +246,10 @@ def register_policy_term(term: PolicyTerm, *, replace: bool = False) -> PolicyTe
         raise ValueError(f"term.zero_without_advantage: must be True or False, got {term.zero_without_advantage!r}")
     if term.zero_without_advantage and term.kind != "token":
         raise ValueError(f"term.zero_without_advantage: only a token term takes advantages, {term.name!r} is {term.kind}")
+    bad = [i for i in term.inputs if i not in TERM_INPUTS.get(term.kind, ())]
+    if bad:
+        raise ValueError(f"term.inputs: {bad[0]!r} is not an input of a {term.kind} term "
+                         f"(known: {', '.join(TERM_INPUTS.get(term.kind, ())) or 'none'})")
     if term.name in POLICY_TERMS and not replace:
         raise ValueError(f"term.name: {term.name!r} is already registered (pass replace=True)")
     declare(*term.params)
@@ -293,4 +305,5 @@ __all__ = [
     "RATIO_SOURCES",
     "TERM_KINDS",
     "ADVANTAGE_LEVELS",
+    "TERM_INPUTS",
 ]

@@ -107,6 +107,23 @@ class LagrangeMultiplier:
         _checks.check_shape("cost_adv", cost_adv, reward_adv.shape, against="reward_adv")
         return reward_adv - self._value * cost_adv
 
+    def bind(self, objective):
+        r"""``objective`` with this multiplier's current :math:`\lambda` as its ``lagrangian_lambda``.
+
+        For a recipe on the ``lagrangian`` policy term (§22): call it for every update, after
+        :meth:`update` moved :math:`\lambda`, so that the loss uses the value of this update
+        (``explain`` of the result prints it). The recipe's ``lagrangian_budget`` must equal this
+        multiplier's budget (one :math:`d` in the loss and in the dual step).
+
+        Raises:
+          ValueError naming ``lagrangian_budget`` when the budgets differ, or ``lagrangian_lambda``
+          when the recipe's term does not read it.
+        """
+        if getattr(objective, "lagrangian_budget", None) != self.budget:
+            raise ValueError(f"lagrangian_budget: the recipe's budget {getattr(objective, 'lagrangian_budget', None)} "
+                             f"differs from the multiplier's {self.budget}; give both the same d")
+        return objective.replace(lagrangian_lambda=self._value)
+
     def state_dict(self) -> Dict[str, float]:
         return {"value": self._value, "lr": self.lr, "budget": self.budget}
 

@@ -1,4 +1,12 @@
-r"""Multi-teacher on-policy distillation (§15): exact reverse (or forward) KL to each teacher, weighted per position."""
+r"""Multi-teacher on-policy distillation (§15): exact reverse (or forward) KL to each teacher, weighted per position.
+
+:func:`multi_teacher_distill_loss` is also the ``multi_teacher`` distillation term of a recipe
+(``recipe.overrides.loss: multi_teacher``): the KL direction and the zero-sum rule are the recipe
+fields ``teacher_direction`` and ``teacher_zero_sum`` (``explain`` prints them), the teachers
+(and their weights, routing, token maps) are batch inputs of
+:meth:`trajgrad.objective.Objective.distill_loss` (``teachers=[...]``). The trainer builds one
+teacher: a training config naming this term is refused at load time.
+"""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -7,6 +15,7 @@ import torch
 
 from .. import _checks
 from ..fused import Head, head_entropy, weighted_divergence
+from ..registry import Param, policy_term
 from ..types import LossResult
 from ._distill_inputs import Number, _check_mask, _common_checks, _make_head, _mean, _side, _token_weights
 
@@ -14,6 +23,47 @@ __all__ = ["multi_teacher_distill_loss", "normalized_teacher_weights", "DIRECTIO
 
 DIRECTIONS = ("reverse", "forward")
 ZERO_SUM = ("error", "zero")
+
+_DIRECTION = Param("teacher_direction", "reverse", "the ``multi_teacher`` term's KL per teacher (§15): ``\"reverse\"`` "
+                   "KL(π_θ‖π_E_i) (mode seeking) or ``\"forward\"`` KL(π_E_i‖π_θ) (mass covering).", str,
+                   lambda v: _checks.check_choice("teacher_direction", v, DIRECTIONS))
+_ZERO_SUM = Param("teacher_zero_sum", "error", "the ``multi_teacher`` term at a valid position whose teacher weights "
+                  "sum to 0: ``\"error\"`` (a ValueError naming ``weights``) or ``\"zero\"`` (its renormalized weights "
+                  "are 0: it contributes 0 and stays in the denominator).", str,
+                  lambda v: _checks.check_choice("teacher_zero_sum", v, ZERO_SUM))
+# inputs the recipe sets from its fields (refused as batch inputs: printed = optimized)
+_FROM_FIELDS = {"direction": "teacher_direction", "zero_sum": "teacher_zero_sum",
+                "renormalize": "the term (it always renormalizes; call multi_teacher_distill_loss for renormalize=False)"}
+_SINGLE = ("teacher_logits", "teacher_hidden", "teacher_weight", "teacher_bias")
+
+
+def _recipe_call(o, inputs):
+    """The ``multi_teacher`` term: the batch's inputs checked once, the recipe's fields passed as arguments."""
+    for k, field in _FROM_FIELDS.items():
+        if k in inputs:
+            raise ValueError(f"{k}: set by the recipe ({field}), not a batch input")
+    single = [k for k in _SINGLE if inputs.get(k) is not None]
+    if "teachers" not in inputs:
+        got = f"; got {', '.join(single)} (one teacher's inputs)" if single else ""
+        raise ValueError(f"teachers: required by loss {o.loss!r} (a sequence of teachers: logits [B, L, V] or "
+                         f"(hidden, weight[, bias]) tuples){got}")
+    if single:
+        raise ValueError(f"{single[0]}: not an input of loss {o.loss!r}; give every teacher in teachers")
+    return multi_teacher_distill_loss(direction=o.teacher_direction, zero_sum=o.teacher_zero_sum, **inputs)
+
+
+def _recipe_text(o) -> str:
+    kl = ("KL(π_θ(·|h_t) ‖ sg[π_E_i(·|h_t)])   (reverse KL per teacher, mode seeking)" if o.teacher_direction == "reverse"
+          else "KL(sg[π_E_i(·|h_t)] ‖ π_θ(·|h_t))   (forward KL per teacher, mass covering)")
+    zero = ("a valid position whose weights sum to 0 is an error (teacher_zero_sum 'error')"
+            if o.teacher_zero_sum == "error" else
+            "a valid position whose weights sum to 0 gets w̃ = 0: it contributes 0 and stays in the denominator "
+            "(teacher_zero_sum 'zero')")
+    return (f"x_t = Σ_i w̃_i(h_t) · {kl}\n"
+            "    exact over the full vocabulary, M teachers (a batch input), §15\n"
+            "    w̃_i(h) = w_i(h) / Σ_j w_j(h): the weights given with the batch (uniform 1/M when none; fixed, "
+            "entropy, routed or learned)\n"
+            f"    {zero}")
 
 
 def _teacher_head(i: int, spec, mask: torch.Tensor) -> Head:
@@ -171,6 +221,11 @@ def _teacher_weights(weights, routing, teachers: List[Head], mask, rows, entropy
     return w[None, :].expand(n, M)
 
 
+@policy_term(
+    "multi_teacher", fields=("teacher_direction", "teacher_zero_sum"), ratio="none",
+    detached=("teacher distributions", "fixed, entropy and routed teacher weights"), aggregation="token_mean",
+    kind="distill", text=_recipe_text, params=(_DIRECTION, _ZERO_SUM), inputs=("teachers",), call=_recipe_call,
+)
 def multi_teacher_distill_loss(
     *,
     teachers: Sequence[Union[torch.Tensor, Tuple[torch.Tensor, ...]]],
@@ -215,7 +270,12 @@ def multi_teacher_distill_loss(
     student logits :math:`(0, 0)`, teacher :math:`(\log 3, 0)`: reverse KL
     :math:`0.5\log\frac{0.5}{0.75}+0.5\log\frac{0.5}{0.25}=0.143841`, gradient
     :math:`(-0.274653, 0.274653)`; forward KL :math:`0.75\log1.5+0.25\log0.5=0.130812`,
-    gradient :math:`(-0.25, 0.25)`.
+    gradient :math:`(-0.25, 0.25)`. Zero-sum worked example: that position twice (``[B=1, L=2]``), one
+    teacher with per-position weights :math:`((1, 0))` (``[M=1, B, L]``), ``zero_sum="zero"``,
+    ``token_mean``: the second position's weight sum is 0, so :math:`\tilde w=(1, 0)` and the loss is
+    :math:`(0.143841+0)/2=0.071921` (reverse; forward :math:`0.130812/2=0.065406`), gradient
+    :math:`(-0.137327, 0.137327)` (reverse; forward :math:`(-0.125, 0.125)`) at the first position
+    and 0 at the second; ``zero_sum="error"`` raises.
 
     §15 asks how the weights are chosen; each answer is an argument:
 

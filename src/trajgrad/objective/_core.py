@@ -162,7 +162,8 @@ _ORDER = ("name", "loss", "advantage", "aggregation", "constant", "eps_low", "ep
           "weight_eps_low", "log_clip_low", "log_clip_high", "delta_low", "delta_high", "dppo_ratio_cap", "cov_ratio",
           "cov_low", "cov_kl_coef", "rollout_correction", "mask_eps_low", "mask_eps_high", "cov_selected", "cov_band",
           "cov_exclude_clipped", "kl_cov_positive_only", "kl_cov_base", "gmpo_clip_level", "whiten_eps_placement",
-          "whiten_empty", "maxrl_eps", "maxrl_eps_mode", "maxrl_centred")  # the order of the fields whatever imports first
+          "whiten_empty", "maxrl_eps", "maxrl_eps_mode", "maxrl_centred", "teacher_direction", "teacher_zero_sum",
+          "lagrangian_lambda", "lagrangian_budget")  # the order of the fields whatever imports first
 
 
 def _fields() -> Tuple[Param, ...]:
@@ -384,6 +385,7 @@ class _ObjectiveMethods:
         entropy: Optional[torch.Tensor] = None,
         denominator: Optional[Any] = None,
         constant: Optional[float] = None,
+        cost_advantages: Optional[torch.Tensor] = None,
     ) -> LossResult:
         r"""The recipe's loss on one (micro-)batch of token log-probs.
 
@@ -409,7 +411,8 @@ class _ObjectiveMethods:
         not needed) and only the masks apply, computed from :math:`\mathrm{sg}[\pi_\theta]/\mu`
         (:mod:`trajgrad.logprobs.correction`). Dropped tokens leave the numerator and stay in the
         denominator. The correction's metrics (``correction/*``) join the term's. The KL and
-        entropy terms are not re-weighted.
+        entropy terms are not re-weighted. ``cost_advantages``: only for a term that reads them
+        (``PolicyTerm.inputs``, the Lagrangian term of §22), required there.
         """
         term = self.term
         if term.kind != "token":
@@ -417,6 +420,9 @@ class _ObjectiveMethods:
             raise ValueError(f"loss: recipe {self.name!r} is {term.kind}; call Objective.{method}")
         if advantages is None:
             raise ValueError(f"advantages: required by loss {self.loss!r}")
+        if (cost_advantages is None) == ("cost_advantages" in term.inputs):
+            raise ValueError(f"cost_advantages: required by loss {self.loss!r}" if cost_advantages is None else
+                             f"cost_advantages: loss {self.loss!r} reads no cost advantages")
         rc = self.rollout_correction
         bypass = bool(rc) and rc.mode == "bypass"
         if rc and behaviour_logp is None:
@@ -447,7 +453,8 @@ class _ObjectiveMethods:
             corr = rc(behaviour_logp, target, mask, advantages=advantages if rc.seq_mask_delta is not None else None,
                       current_logp=logp.detach())
             agg["weights"] = corr.weight
-        res = term.call(self, PolicyInputs(logp, advantages, mask, ratio_logp, old_logp, behaviour_logp, ref_logp, agg))
+        res = term.call(self, PolicyInputs(logp, advantages, mask, ratio_logp, old_logp, behaviour_logp, ref_logp, agg,
+                                           cost_advantages))
         loss, metrics = res.loss, dict(res.metrics)
         if corr is not None:
             metrics.update(corr.metrics)

@@ -118,7 +118,22 @@ def _check_recipe(cfg, errors: _Errors):
         else:
             errors.add(f"recipe.overrides.{field}", _one_line(rest))
         return None
+    for name in obj.term.inputs:  # batch inputs the trainer does not supply (PolicyTerm.inputs)
+        errors.add("recipe.overrides.loss" if "loss" in cfg.recipe.overrides else "recipe.name",
+                   f"loss {obj.loss!r} reads the batch input {name!r}, which the trainer does not supply; "
+                   + _NOT_SUPPLIED[name])
+        return None
     return obj
+
+
+# why the trainer has no such input, and what to use instead
+_NOT_SUPPLIED = {
+    "cost_advantages": ("the trainer's cost constraint is the constraint: section (rewards r − λ·cost with any recipe, "
+                        "the same gradient for ratio-linear terms); call Objective.policy_loss(..., cost_advantages=...) "
+                        "for this term"),
+    "teachers": "the trainer builds one teacher (teacher.*; recipes opd, gkd); call Objective.distill_loss(teachers=[...]) "
+                "for this term",
+}
 
 
 def _check_rollout_correction(value: Dict[str, Any], errors: _Errors) -> bool:
