@@ -9,7 +9,10 @@ r"""Check any loss implementation against trajgrad's reference for a recipe (spe
   without KL; ``include_kl=True`` includes the recipe's KL term and passes ``ref_logp=``.
 * preference pairs (``dpo``) — :mod:`trajgrad.verify.pairwise`:
   ``loss_fn(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)`` with ``[B]``.
-* distillation (``opd``) — :mod:`trajgrad.verify.distill`: ``loss_fn(student_logits, teacher_logits, mask)``.
+* distillation (``opd``) — :mod:`trajgrad.verify.distill`: ``loss_fn(student_logits, teacher_logits, mask)``
+  (several teachers, ``loss="multi_teacher"``: ``loss_fn(student_logits, teachers, mask, weights)``).
+* ``part="advantages"`` — :mod:`trajgrad.verify.advantages`: an advantage function against the
+  recipe's advantage estimator, ``fn(rewards)`` (``[N, G]``) or ``fn(values, rewards, mask)`` (GAE).
 * ``reference="logprobs"`` — :mod:`trajgrad.verify.logprobs`:
   ``fn(logits, targets, *, temperature, top_k, top_p)`` against the sampling-transform log-probs.
 
@@ -21,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ..objective import Objective, get_recipe
 from ._common import Check, VerifyReport, max_deviation
+from .advantages import verify_advantages
 from .distill import verify_distill
 from .logprobs import verify_logprobs
 from .pairwise import verify_pairwise
@@ -37,6 +41,7 @@ def verify(
     rtol: float = 1e-6,
     include_kl: bool = False,
     reference_fn: Optional[Callable] = None,
+    part: str = "loss",
     **recipe_overrides: Any,
 ) -> VerifyReport:
     """Run the §24 battery and a randomized comparison of ``loss_fn`` against a recipe.
@@ -50,6 +55,8 @@ def verify(
       include_kl: compare with the recipe's policy term *plus* its KL term (``ref_logp=`` passed).
       reference_fn: policy recipes only: a callable with ``loss_fn``'s signature used as the
         reference instead of the recipe's loss (for trajgrad called with extra arguments).
+      part: ``"loss"`` (default: the recipe's loss) or ``"advantages"`` (``loss_fn`` is an
+        advantage function, compared with the recipe's advantage estimator).
       recipe_overrides: fields of the reference recipe to change so that it matches the
         implementation's settings (e.g. ``eps_low=0.1``).
     Returns:
@@ -63,6 +70,10 @@ def verify(
         recipe = reference.replace(**recipe_overrides) if recipe_overrides else reference
     else:
         recipe = get_recipe(reference, **recipe_overrides)
+    if part not in ("loss", "advantages"):
+        raise ValueError(f"part: must be 'loss' or 'advantages', got {part!r}")
+    if part == "advantages":
+        return verify_advantages(loss_fn, recipe, seed=seed)
     if recipe.kind == "pairwise":
         return verify_pairwise(loss_fn, recipe, seed=seed, atol=atol, rtol=rtol)
     if recipe.kind == "distill":
@@ -107,4 +118,4 @@ def load_callable(spec: str) -> Callable:
 
 
 __all__ = ["verify", "VerifyReport", "Check", "max_deviation", "load_callable", "verify_policy", "verify_pairwise",
-           "verify_distill", "verify_logprobs"]
+           "verify_distill", "verify_logprobs", "verify_advantages"]

@@ -2,7 +2,10 @@ r"""The §24 battery for token-level policy losses, against a recipe's registry 
 
 ``loss_fn(logp, old_logp, advantages, mask[, denominator=...][, ref_logp=...])`` with ``[B, L]``
 tensors (``old_logp`` is the log-prob the recipe's ratio is taken against: old, or behaviour
-for SAO). Each check runs in float64 on several shapes with ragged masks (prompt zeros, an
+for SAO). A term that reads cost advantages (the Lagrangian, §22) gets ``cost_advantages=``; a
+recipe with a decoupled rollout correction gets ``behaviour_logp=`` (the sampler's log-probs,
+apart from ``old_logp``) when ``loss_fn`` accepts it, else the correction sees
+``behaviour_logp = old_logp``. Each check runs in float64 on several shapes with ragged masks (prompt zeros, an
 observation span, right padding):
 
 ==================  ==========================================================================
@@ -57,7 +60,26 @@ NOTES = {
 }
 
 
-def _batch(gen: torch.Generator, B: int, L: int, recipe, include_kl: bool) -> Dict[str, torch.Tensor]:
+def _extras(recipe, loss_fn) -> Tuple[str, ...]:
+    """The inputs beyond ``logp, old_logp, advantages, mask`` that the battery hands to ``loss_fn``."""
+    out = tuple(recipe.term.inputs)
+    rc = recipe.rollout_correction
+    if rc and rc.mode == "decoupled" and _accepts(loss_fn, "behaviour_logp"):
+        out += ("behaviour_logp",)
+    return out
+
+
+def _add_extras(gen: torch.Generator, out: Dict[str, torch.Tensor], extras) -> Dict[str, torch.Tensor]:
+    shape = out["logp"].shape
+    if "cost_advantages" in extras:
+        out["cost_advantages"] = torch.rand(shape, generator=gen, dtype=F64)
+    if "behaviour_logp" in extras:
+        noise = 0.3 * torch.randn(shape, generator=gen, dtype=F64)
+        out["behaviour_logp"] = (out["old_logp"] + noise).clamp(max=-1e-6)
+    return out
+
+
+def _batch(gen: torch.Generator, B: int, L: int, recipe, include_kl: bool, extras=()) -> Dict[str, torch.Tensor]:
     mask = _ragged_mask(gen, B, L)
     logp = -torch.rand(B, L, generator=gen, dtype=F64) * 3 - 0.01
     # log-probs stay log-probabilities (≤ 0): terms of the probabilities themselves (DPPO) need it
@@ -68,10 +90,10 @@ def _batch(gen: torch.Generator, B: int, L: int, recipe, include_kl: bool) -> Di
     out = {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask}
     if include_kl:
         out["ref_logp"] = logp + 0.3 * torch.randn(B, L, generator=gen, dtype=F64)
-    return out
+    return _add_extras(gen, out, extras)
 
 
-def _long_batch(gen: torch.Generator, recipe, include_kl: bool) -> Dict[str, torch.Tensor]:
+def _long_batch(gen: torch.Generator, recipe, include_kl: bool, extras=()) -> Dict[str, torch.Tensor]:
     B, L = 3, 4096
     mask = torch.zeros(B, L, dtype=F64)
     mask[:, 16:] = 1
@@ -83,13 +105,15 @@ def _long_batch(gen: torch.Generator, recipe, include_kl: bool) -> Dict[str, tor
            "advantages": torch.tensor([1.0, -0.5, 0.7], dtype=F64)[:, None].expand(B, L).clone()}
     if include_kl:
         out["ref_logp"] = logp - 0.1
-    return out
+    return _add_extras(gen, out, extras)
+
+
+_KEYWORD_INPUTS = ("ref_logp", "cost_advantages", "behaviour_logp")
 
 
 def _call(fn, batch, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
     lp = batch["logp"].detach().clone().requires_grad_(True)
-    if "ref_logp" in batch:
-        kw["ref_logp"] = batch["ref_logp"]
+    kw.update({k: batch[k] for k in _KEYWORD_INPUTS if k in batch})
     loss = _scalar(fn(lp, batch["old_logp"], batch["advantages"], batch["mask"], **kw))
     (g,) = torch.autograd.grad(loss, lp, allow_unused=True)
     return loss.detach(), torch.zeros_like(lp) if g is None else g
@@ -117,14 +141,16 @@ def verify_policy(
         raise ValueError(f"include_kl: recipe {recipe.name!r} has no KL term in the loss (kl_placement="
                          f"{recipe.kl_placement!r}); give one, e.g. --set kl_placement=loss --set kl_coef=0.04")
 
-    def ref_fn(logp, old_logp, advantages, mask, denominator=None, ref_logp=None):
+    def ref_fn(logp, old_logp, advantages, mask, denominator=None, **inputs):
         if reference_fn is not None:
             kw = {} if denominator is None else {"denominator": denominator}
-            return reference_fn(logp, old_logp, advantages, mask, **kw, **({} if ref_logp is None else {"ref_logp": ref_logp}))
-        return ref_recipe.policy_loss(logp, advantages, mask, old_logp=old_logp, behaviour_logp=old_logp,
-                                      ref_logp=ref_logp, denominator=denominator)
+            return reference_fn(logp, old_logp, advantages, mask, **kw, **inputs)
+        beh = inputs.pop("behaviour_logp", old_logp)
+        return ref_recipe.policy_loss(logp, advantages, mask, old_logp=old_logp, behaviour_logp=beh,
+                                      denominator=denominator, **inputs)
 
     gen = torch.Generator().manual_seed(seed)
+    extras = _extras(recipe, loss_fn)
     has_den = _accepts(loss_fn, "denominator")
     dist_check = "micro_batches" if has_den else "ranks_average"
     names = ["value", "gradient", "ratio_one", "masked_nan", "masked_grad", "padding", "zero_advantage",
@@ -151,7 +177,7 @@ def verify_policy(
             return None
 
     for B, L in shapes:
-        batch = _batch(gen, B, L, recipe, include_kl)
+        batch = _batch(gen, B, L, recipe, include_kl, extras)
         got = attempt("value", lambda: _call(loss_fn, batch))
         if got is None:
             return VerifyReport(recipe.name, [Check("value", False, math.inf, f"loss_fn {errors['value']}")])
@@ -178,6 +204,8 @@ def verify_policy(
         if got is not None:
             record("padding", max_deviation(got[0], v), tol(v))
         zero_adv = dict(batch, advantages=torch.zeros_like(batch["advantages"]))
+        if "cost_advantages" in batch:
+            zero_adv["cost_advantages"] = torch.zeros_like(batch["cost_advantages"])
         got = attempt("zero_advantage", lambda: _call(loss_fn, zero_adv))
         if got is not None:  # zero without a KL term; the KL term's gradient alone with it
             record("zero_advantage", max_deviation(got[1], _call(ref_fn, zero_adv)[1]), atol)
@@ -197,13 +225,13 @@ def verify_policy(
                 record(dist_check, max(max_deviation(total, v), max_deviation(grads, g)), tol(g) + tol(v))
         if B >= 2 and "zero_rows" in names:
             _zero_rows_check(loss_fn, recipe, batch, has_den, attempt, record, tol)
-    far = _batch(gen, 6, 40, recipe, include_kl)
+    far = _batch(gen, 6, 40, recipe, include_kl, extras)
     far["old_logp"] = (far["logp"] + 1.5 * torch.randn(far["logp"].shape, generator=gen, dtype=F64)).clamp(max=-1e-6)
     got = attempt("off_policy", lambda: _call(loss_fn, far))
     if got is not None:
         rvf, rgf = _call(ref_fn, far)
         record("off_policy", max(max_deviation(got[0], rvf), max_deviation(got[1], rgf)), tol(rgf) + tol(rvf))
-    long = _long_batch(gen, recipe, include_kl)
+    long = _long_batch(gen, recipe, include_kl, extras)
     got = attempt("long_sequence", lambda: _call(loss_fn, long))
     if got is not None:
         rvl, rgl = _call(ref_fn, long)
