@@ -187,10 +187,12 @@ def test_cost_advantages_are_a_checked_batch_input():
         o.policy_loss(logp, adv_r, mask, old_logp=old, cost_advantages=torch.where(mask, math.nan, adv_c))
 
 
-@pytest.mark.parametrize("recipe,loss,needs", [("grpo", "lagrangian", "cost_advantages"),
-                                                ("opd", "multi_teacher", "teachers")])
-def test_a_training_config_with_a_term_reading_other_inputs_is_refused_at_load_time(tmp_path, monkeypatch, recipe,
-                                                                                      loss, needs):
+@pytest.mark.parametrize("recipe,loss,key,needs", [
+    ("grpo", "lagrangian", "constraint.enabled", "loss 'lagrangian' takes λ from the cost constraint's multiplier"),
+    ("opd", "multi_teacher", "recipe.overrides.loss", "loss 'multi_teacher' reads the batch input 'teachers', "
+     "which the trainer does not supply")])
+def test_a_training_config_without_the_terms_inputs_is_refused_at_load_time(tmp_path, monkeypatch, recipe, loss, key,
+                                                                             needs):
     from typer.testing import CliRunner
 
     from trajgrad.cli import app
@@ -200,6 +202,89 @@ def test_a_training_config_with_a_term_reading_other_inputs_is_refused_at_load_t
                                    "--set", f"recipe.overrides.loss={loss}"])
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert lines[0].startswith(f"error: recipe.overrides.loss: loss {loss!r} reads the batch input {needs!r}, "
-                               "which the trainer does not supply")
+    assert lines[0].startswith(f"error: {key}: {needs}"), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_turn_rewards_leave_the_cost_to_the_term_when_asked():
+    from types import SimpleNamespace
+
+    from trajgrad.train.rewards import turn_rewards
+
+    batch = SimpleNamespace(turn_rewards=torch.tensor([[1.0, 0.5]]), turn_mask=torch.tensor([[True, True]]),
+                            turn_costs=torch.tensor([[0.2, 0.4]]))
+    mult = LagrangeMultiplier(init=2.0)
+    r, info = turn_rewards(batch, gamma=1.0, shaping=False, lagrange=mult)
+    assert r[0].tolist() == pytest.approx([0.6, -0.3])
+    r2, info2 = turn_rewards(batch, gamma=1.0, shaping=False, lagrange=mult, penalize=False)
+    assert r2.tolist() == [[1.0, 0.5]] and info2 == info == {"constraint/mean_cost": pytest.approx(0.6),
+                                                            "constraint/lambda": 2.0}
+
+
+def _lagrangian_config(**constraint):
+    from test_train import micro_config
+
+    return micro_config("grpo", recipe={"name": "grpo", "overrides": {"loss": "lagrangian", "lagrangian_budget": 0.1,
+                                                                      "lagrangian_lambda": 0.3}},
+                        constraint={"enabled": True, "budget": 0.1, "init": 0.3, "lr": 0.5, **constraint})
+
+
+def test_the_trainer_runs_the_term_with_the_multipliers_lambda_and_the_cost_advantages(tmp_path, monkeypatch):
+    """A tiny model, two steps: each step's loss gets the estimator on the episodes' costs and the multiplier's
+    λ of that step (after step 1, λ ← max(0, λ + η (C̄ − d))); the costs stay out of the rewards."""
+    import trajgrad.train.trainer as trainer_mod
+    from trajgrad.objective import Objective
+    from trajgrad.train.metrics import read_metrics
+    from trajgrad.train.rewards import turn_rewards
+
+    g = torch.Generator().manual_seed(0)
+    batches, calls = [], []
+    collate = trainer_mod.collate
+
+    def with_costs(trajs, pad_id):  # the tiny model calls no tool: give each turn a cost
+        batch = collate(trajs, pad_id)
+        batch.turn_costs = torch.where(batch.turn_mask, torch.rand(batch.turn_mask.shape, generator=g), 0.0).float()
+        batches.append(batch)
+        return batch
+
+    policy_loss = Objective.policy_loss
+
+    def spy(self, *a, **k):
+        calls.append((self.lagrangian_lambda, k["cost_advantages"], a[0]))
+        return policy_loss(self, *a, **k)
+
+    monkeypatch.setattr(trainer_mod, "collate", with_costs)
+    monkeypatch.setattr(Objective, "policy_loss", spy)
+    torch.manual_seed(0)
+    tr = trainer_mod.Trainer(_lagrangian_config(), tmp_path / "run", console=lambda *_: None)
+    tr.run()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2] and len(batches) == 2
+    mean_cost = [float(torch.where(b.turn_mask, b.turn_costs.double(), 0.0).sum(1).mean()) for b in batches]
+    lam = [0.3, max(0.0, 0.3 + 0.5 * (mean_cost[0] - 0.1))]
+    for step, (batch, row) in enumerate(zip(batches, rows)):
+        got = [c for c in calls if c[0] == pytest.approx(lam[step])]
+        assert got, (lam, [c[0] for c in calls])
+        costs = torch.where(batch.turn_mask, batch.turn_costs.double(), 0.0).sum(1)
+        want = tr.objective.sequence_advantages(costs, group_ids=batch.group_ids).advantages.double()
+        assert sorted(torch.cat([c[1] for c in got]).tolist()) == pytest.approx(sorted(want.tolist()))
+        # the reward advantages are those of the rewards without the cost penalty
+        unpenalized = turn_rewards(batch, gamma=tr.objective.gamma, shaping=tr.cfg.task.shaping)[0].sum(1)
+        adv = tr.objective.sequence_advantages(unpenalized, group_ids=batch.group_ids).advantages.double()
+        per_row = [c[2] if c[2].ndim == 1 else c[2][:, 0] for c in got]  # [B, L] rows constant per response
+        assert sorted(torch.cat(per_row).tolist()) == pytest.approx(sorted(adv.tolist()))
+        assert row["lagrangian/lambda"] == pytest.approx(lam[step]) == row["constraint/lambda"]
+        assert row["constraint/mean_cost"] == pytest.approx(mean_cost[step], rel=1e-6)
+    assert tr.lagrange.value == pytest.approx(max(0.0, lam[1] + 0.5 * (mean_cost[1] - 0.1)), rel=1e-6)
+
+
+@pytest.mark.parametrize("sets,key", [
+    (dict(enabled=False), "constraint.enabled"),
+    (dict(budget=0.2), "recipe.overrides.lagrangian_budget"),
+    (dict(init=0.0), "recipe.overrides.lagrangian_lambda"),
+])
+def test_the_trainer_needs_the_constraint_that_supplies_lambda(sets, key):
+    from trajgrad.train.config_checks import check_config
+
+    with pytest.raises(ValueError, match=f"^{key}: "):
+        check_config(_lagrangian_config(**sets))

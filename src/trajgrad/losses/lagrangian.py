@@ -15,10 +15,11 @@ token log-probs and is the ``lagrangian`` policy term of a recipe (``recipe.over
 lagrangian``): :math:`\lambda` is the recipe field ``lagrangian_lambda`` (the multiplier's value at
 this update, set per update by :meth:`LagrangeMultiplier.bind`), :math:`d` the field
 ``lagrangian_budget``, and the cost advantages a batch input
-(:meth:`trajgrad.objective.Objective.policy_loss`'s ``cost_advantages``). The trainer does not supply
-cost advantages: a training config naming this term is refused at load time (its ``constraint:``
-section puts :math:`\lambda` into the rewards instead, :math:`r-\lambda c`, the same gradient for
-ratio-linear terms).
+(:meth:`trajgrad.objective.Objective.policy_loss`'s ``cost_advantages``). In the trainer the term needs
+``constraint.enabled`` (the multiplier, whose ``budget`` and ``init`` must be the recipe's
+``lagrangian_budget`` and ``lagrangian_lambda``) and a per-response advantage estimator: the cost
+advantages are that estimator on each episode's summed ``info["cost"]``, the costs stay out of the
+rewards, and each step's loss takes the multiplier's :math:`\lambda` of that step.
 """
 from __future__ import annotations
 

@@ -289,7 +289,8 @@ class CriticConfig(_Strict):
 class ConstraintConfig(_Strict):
     """A cost constraint by a Lagrange multiplier (§22): rewards become r - lambda * cost."""
 
-    enabled: bool = Field(False, description="subtract lambda times the environment's info['cost'] per turn")
+    enabled: bool = Field(False, description="subtract lambda times the environment's info['cost'] per turn (with "
+                          "the lagrangian policy term: the term applies lambda to the cost advantages instead)")
     budget: float = Field(0.0, description="the cost budget d: lambda grows while the mean episode cost exceeds it")
     lr: float = Field(0.05, gt=0, description="dual ascent step of lambda (projected to >= 0)")
     init: float = Field(0.0, ge=0, description="lambda at the start")

@@ -34,9 +34,13 @@ def invalid_action_facts(trajs: Sequence) -> Dict[str, float]:
     return {"env/invalid_action_frac": sum(out.values()) / max(turns, 1), **out}
 
 
-def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=None,
+                 penalize: bool = True) -> Tuple[torch.Tensor, Dict[str, float]]:
     """``[B, K]`` float64 per-turn rewards: optionally potential-shaped (§21, terminal
-    potential 0) and minus :math:`\\lambda\\cdot` cost (§22); 0 at padded turns."""
+    potential 0) and minus :math:`\\lambda\\cdot` cost (§22); 0 at padded turns. With
+    ``penalize=False`` the cost stays out of the rewards (a policy term that takes the cost
+    advantages applies :math:`\\lambda` itself); the mean cost and :math:`\\lambda` are reported
+    either way."""
     r = batch.turn_rewards.double()
     m = batch.turn_mask
     info: Dict[str, float] = {}
@@ -50,7 +54,8 @@ def turn_rewards(batch: RolloutBatch, *, gamma: float, shaping: bool, lagrange=N
         costs = batch.turn_costs.double()
         info["constraint/mean_cost"] = float(costs.sum(1).mean())
         info["constraint/lambda"] = lagrange.value
-        r = r - lagrange.value * costs
+        if penalize:
+            r = r - lagrange.value * costs
     return torch.where(m, r, torch.zeros_like(r)), info
 
 

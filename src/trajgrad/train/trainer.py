@@ -279,8 +279,9 @@ class Trainer:
         logps = updates.old_logprobs(self.learner, batch, self.cfg.train.old_logp, metrics)
         # 3. advantages: the group estimator, or GAE from the critic after its update (§20.4)
         advantages = self._advantages(batch, trajs, turn_r, logps, metrics)
-        # 4. the step's micro-batches (rows without gradient last) and global denominator (§13)
-        step = self._prepare_policy_step(batch, advantages, logps)
+        # 4. the step's micro-batches (rows without gradient last) and global denominator (§13); a term that
+        #    takes cost advantages (§22's Lagrangian) gets the estimator on the costs and the multiplier's λ
+        step = self._prepare_policy_step(batch, advantages, logps, self._cost_advantages(batch))
         # 5. the policy update: each micro-batch's loss and backward pass, one optimizer step (§13)
         self._update_policy(step, metrics)
         # 6. the cost constraint's multiplier, from this batch's mean cost (§22)
@@ -295,7 +296,7 @@ class Trainer:
         if self.mixture is not None:
             metrics.update(self.mixture.metrics(trajs))
         turn_r, info = turn_rewards(batch, gamma=self.objective.gamma, shaping=self.cfg.task.shaping,
-                                    lagrange=self.lagrange)
+                                    lagrange=self.lagrange, penalize="cost_advantages" not in self.objective.term.inputs)
         metrics.update(info)
         return batch, turn_r, metrics
 
@@ -324,8 +325,16 @@ class Trainer:
         metrics["groups/zero_variance_frac"] = float(zv.float().mean()) if zv.numel() else 0.0
         return ga.advantages.double()
 
-    def _prepare_policy_step(self, batch: RolloutBatch, advantages: torch.Tensor,
-                             logps: updates.StepLogprobs) -> Optional[updates.PolicyStep]:
+    def _cost_advantages(self, batch: RolloutBatch) -> Optional[torch.Tensor]:
+        """The recipe's advantage estimator on the per-response costs (``info["cost"]`` summed over
+        the turns, §22), for a policy term that reads cost advantages; None otherwise."""
+        if "cost_advantages" not in self.objective.term.inputs:
+            return None
+        costs = torch.where(batch.turn_mask, batch.turn_costs.double(), 0.0).sum(1)
+        return self.objective.sequence_advantages(costs, group_ids=batch.group_ids).advantages.double()
+
+    def _prepare_policy_step(self, batch: RolloutBatch, advantages: torch.Tensor, logps: updates.StepLogprobs,
+                             cost_advantages: Optional[torch.Tensor] = None) -> Optional[updates.PolicyStep]:
         """The policy step laid out (:func:`~trajgrad.train.updates.prepare_policy_step`), its
         per-token record opened (``tokens.jsonl`` for ``trajgrad view``); None while the critic
         warms up (``critic.warmup_steps``: no policy update)."""
@@ -333,7 +342,8 @@ class Trainer:
             return None
         return updates.prepare_policy_step(self.learner, batch, advantages, logps.old, logps.reference,
                                            behaviour=logps.behaviour, behaviour_logp=logps.behaviour_logp,
-                                           record=tokenlog.start(self, batch))
+                                           record=tokenlog.start(self, batch), cost_advantages=cost_advantages,
+                                           lagrange=self.lagrange if cost_advantages is not None else None)
 
     def _update_policy(self, step: Optional[updates.PolicyStep], metrics: Dict[str, float]) -> None:
         """The policy update (:func:`~trajgrad.train.updates.policy_step`), its token-log lines

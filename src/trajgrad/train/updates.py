@@ -310,17 +310,23 @@ class PolicyStep:
     single_process: bool
     record: Optional[tokenlog.StepRecord]
     started: float
+    cost_advantages: Optional[torch.Tensor] = None  # for a term that reads them (§22), else None
 
 
 def prepare_policy_step(st: LearnerState, batch: RolloutBatch, advantages: torch.Tensor,
                         old_logp: Optional[torch.Tensor], ref_logp: Optional[torch.Tensor], *,
                         behaviour: Optional[torch.Tensor] = None, behaviour_logp: Optional[torch.Tensor] = None,
-                        record: Optional[tokenlog.StepRecord] = None) -> PolicyStep:
+                        record: Optional[tokenlog.StepRecord] = None, cost_advantages: Optional[torch.Tensor] = None,
+                        lagrange=None) -> PolicyStep:
     """Check the step's inputs once and lay it out: the step's recipe, its micro-batches (rows
     with zero loss and gradient last, forward only), its global denominator (§13). The
-    arguments are those of :func:`policy_update`."""
+    arguments are those of :func:`policy_update`; ``cost_advantages`` and ``lagrange`` (a
+    :class:`~trajgrad.control.LagrangeMultiplier`, whose current λ the step's recipe takes) for a
+    term that reads cost advantages (§22)."""
     started = time.perf_counter()
     obj = step_objective(st)
+    if lagrange is not None:
+        obj = lagrange.bind(obj)
     mask = batch.action_mask
     if old_logp is None and st.epochs_per_batch != 1:
         raise ValueError("old_logp: required when epochs_per_batch > 1")
@@ -334,7 +340,7 @@ def prepare_policy_step(st: LearnerState, batch: RolloutBatch, advantages: torch
         raise ValueError("behaviour_logp: required by rollout_correction (the log-probs recorded at sampling)")
     return PolicyStep(obj, batch, advantages, old_logp, ref_logp, behaviour, behaviour_logp, mbs,
                       [batch.select(idx) for idx in mbs], n_graded, den, adaptive,
-                      not (dist_lib.is_distributed() or fsdp.active()), record, started)
+                      not (dist_lib.is_distributed() or fsdp.active()), record, started, cost_advantages)
 
 
 def policy_step(st: LearnerState, step: PolicyStep) -> Dict[str, float]:
@@ -377,10 +383,12 @@ def policy_step(st: LearnerState, step: PolicyStep) -> Dict[str, float]:
                 first_logp.append(lp.detach())
             old_mb = lp.detach() if old_logp is None else old_logp[idx]
             beh_mb = None if behaviour_logp is None else behaviour_logp[idx]
+            cost_mb = None if step.cost_advantages is None else step.cost_advantages[idx]
             with torch.set_grad_enabled(graded and torch.is_grad_enabled()):
                 res = obj.policy_loss(lp, advantages[idx], mb.action_mask, old_logp=old_mb, behaviour_logp=beh_mb,
                                       ref_logp=None if ref_logp is None else ref_logp[idx],
-                                      entropy=ent if with_entropy else None, denominator=step.denominator)
+                                      entropy=ent if with_entropy else None, denominator=step.denominator,
+                                      cost_advantages=cost_mb)
             if rec is not None and lp.requires_grad:
                 lp.retain_grad()
             if graded:
