@@ -144,8 +144,9 @@ class PolicyTerm:
         the declaration. False (the default) differentiates every row.
       inputs: batch inputs the term reads beyond those of its kind: ``"cost_advantages"`` (a token
         term, :meth:`Objective.policy_loss`'s ``cost_advantages``) or ``"teachers"`` (a distill term,
-        several teachers). The trainer supplies none of them: a config naming such a term is refused
-        at load time, naming the input.
+        several teachers). The trainer supplies ``cost_advantages`` from its ``constraint:`` section
+        (the recipe's estimator on the episodes' costs) and no ``teachers``: a config naming a term
+        whose inputs it cannot supply is refused at load time, naming the key.
     """
 
     name: str
