@@ -2,7 +2,8 @@
 
 ``default``: SmolLM2-135M-Instruct + LoRA on the calculator tool with GRPO; ``tiny``: a random
 tiny model on two-digit additions (SFT warm start, then GRPO); ``sao-tiny``, ``sao``,
-``sao-coding``: single-rollout asynchronous optimization (§20).
+``sao-coding``: single-rollout asynchronous optimization (§20); ``chain``: SmolLM2 on three
+dependent tool calls (a short SFT warm start, then GRPO).
 """
 from __future__ import annotations
 
@@ -97,6 +98,14 @@ PRESETS.update({
         "asynchronous": _ASYNC,
     },
 })
+# The dependent tool chain (lookup -> fetch -> calc -> answer, reward only for the answer; envs/chain.py)
+# with GRPO. SmolLM2 never completes a chain untrained (held-out 0/64), so a short SFT warm start on the
+# task's demonstrations (3 steps of 16; greedy held-out still 0/64 after it) lets sampling complete a chain
+# now and then, and GRPO takes it from there (bench/bench_learning.py --task chain; README "Learning").
+PRESETS["chain"] = {**PRESETS["default"], "name": "smollm2-chain-grpo",
+                    "task": {"name": "chain", "n_train": 4000, "n_heldout": 64, "options": {"examples": 2}},
+                    "sft": {"steps": 3, "batch_size": 16},
+                    "train": {**PRESETS["default"]["train"], "steps": 12}}
 # The paper's coding setting: (eps_low, eps_high) = (0.8, 3.0).
 PRESETS["sao-coding"] = {**PRESETS["sao"], "name": "smollm2-calculator-sao-coding",
                          "recipe": {"name": "sao", "overrides": {"eps_low": 0.8, "eps_high": 3.0}}}
