@@ -39,6 +39,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -47,6 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from trajgrad.train.config import load_config, parse_overrides  # noqa: E402
+from trajgrad.train.config_yaml import parse_yaml  # noqa: E402
 from trajgrad.stats import mcnemar_exact_test, paired_counts, wilson_interval  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -70,10 +72,25 @@ TASKS: Dict[str, Dict[str, Any]] = {
              "sampling.max_new_tokens": 16},
     # the ``tiny`` preset unchanged (a random tiny model, SFT warm start then GRPO, 128 held-out additions)
     "tiny": {},
+    # examples/kb_agent (kb_smollm2.yaml: two tools, SFT warm start then GRPO) on its 64 entities with 40% of
+    # the questions held out: 77 distinct held-out questions (the example's own 16 entities hold out 18)
+    "kb_agent": {"task.options": {"max_turns": 3, "tool_listing": "brief", "entities": 64, "heldout_fraction": 0.4},
+                 "task.n_heldout": 64},
+    # examples/openai_agent (shop_smollm2.yaml: the OpenAI-SDK agent through the recording proxy, GRPO) with
+    # 1 to 25 items per question: 69 distinct held-out questions (up to 9 items hold out 24); held out by the
+    # trainer's evaluator, which runs the same agent through the proxy at eval.temperature
+    "openai_agent": {"task.options": {"max_count": 25}, "task.n_heldout": 64, "eval.before": True,
+                     "eval.after": True, "eval.temperature": 0.0},
 }
 
 # The preset each task starts from (``default`` unless named here).
 TASK_PRESETS: Dict[str, str] = {"tiny": "tiny"}
+
+# The example YAML a task starts from instead of a preset; its directory goes on ``sys.path`` (as
+# the example's README puts it on ``PYTHONPATH``) so that its ``task.name: "module:Class"`` imports.
+EXAMPLES = HERE.parent / "examples"
+TASK_CONFIGS: Dict[str, Path] = {"kb_agent": EXAMPLES / "kb_agent" / "kb_smollm2.yaml",
+                                 "openai_agent": EXAMPLES / "openai_agent" / "shop_smollm2.yaml"}
 
 # Each change of a task after its base rate was first measured (the issue allows one), for the report.
 TASK_CHANGES: Dict[str, str] = {
@@ -120,20 +137,49 @@ RECIPES: Dict[str, Dict[str, Any]] = {
                              "queue_size": 4, "partial": "per_segment"}},
 }
 
+# Cells of the matrix the trainer cannot run, with the reason (refused by name, before any loading).
+REFUSED: Dict[tuple, str] = {
+    ("openai_agent", "sao"): "the recording proxy (rollout.backend proxy) runs with the synchronous trainer only, "
+                             "and SAO's rollouts come from asynchronous workers",
+}
+
 
 def cell_overrides(task: str, recipe: str, seed: int, *, steps: Optional[int] = None,
                    sets: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The config overrides of one cell (on the ``default`` preset); ValueError for an unknown name."""
+    """The config overrides of one cell (on its preset or example YAML); ValueError for an unknown name."""
     if task not in TASKS:
         raise ValueError(f"--task: unknown {task!r}; known: {', '.join(TASKS)}")
     if recipe not in RECIPES:
         raise ValueError(f"--recipe: unknown {recipe!r}; known: {', '.join(RECIPES)}")
+    if (task, recipe) in REFUSED:
+        raise ValueError(f"--recipe: {recipe!r} cannot run --task {task!r}: {REFUSED[task, recipe]}")
     out: Dict[str, Any] = {**TASKS[task], **RECIPES[recipe], "train.seed": int(seed),
                            "name": f"learning-{task}-{recipe}-s{seed}", "log.progress": False}
     if steps is not None:
         out["train.steps"] = int(steps)
     out.update(sets or {})
     return out
+
+
+def cell_config(task: str, recipe: str, seed: int, *, steps: Optional[int] = None,
+                sets: Optional[Dict[str, Any]] = None, base_only: bool = False):
+    """The loaded config of one cell: its preset (or example YAML) with :func:`cell_overrides`;
+    ``base_only``: no training (0 steps, no SFT, the before-evaluation only)."""
+    overrides = cell_overrides(task, recipe, seed, steps=steps, sets=sets)
+    if base_only:
+        overrides.update({"train.steps": 0, "eval.after": False, "checkpoint.every": 0, "sft.steps": 0})
+    if task in TASK_CONFIGS:
+        path = TASK_CONFIGS[task]
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        data = parse_yaml(path.read_text(), what=f"config {path}")
+        if not base_only or "sft" not in data:
+            return load_config(path, overrides=overrides)
+        data.pop("sft")  # no warm start: its keys would have no effect (refused at load)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / path.name).write_text(json.dumps(data))  # JSON is YAML
+            return load_config(Path(tmp) / path.name, overrides=overrides)
+    return load_config(preset=TASK_PRESETS.get(task, "default"), overrides=overrides)
 
 
 def base_path(results: Path) -> Path:
@@ -235,10 +281,7 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
 
     if minutes is not None and not minutes > 0:
         raise ValueError(f"--minutes: expected a positive number, got {minutes}")
-    overrides = cell_overrides(task, recipe, seed, steps=steps, sets=sets)
-    if base_only:
-        overrides.update({"train.steps": 0, "eval.after": False, "checkpoint.every": 0, "sft.steps": 0})
-    cfg = load_config(preset=TASK_PRESETS.get(task, "default"), overrides=overrides)
+    cfg = cell_config(task, recipe, seed, steps=steps, sets=sets, base_only=base_only)
     base = Trainer
     if cfg.asynchronous.enabled:
         from trajgrad.train.asynchronous import AsyncTrainer
@@ -265,14 +308,20 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
         "load_end": _load(), "run_dir": str(run_dir),
         "command": " ".join(shlex.quote(a) for a in sys.argv) if sys.argv and sys.argv[0] else None,
     }
+    # an evaluation scores the episodes that ended with a reward (the proxy's agent may end none: an
+    # error, a timeout, a rewritten history); those it did not end are counted here, never hidden
+    unfinished = {tag: distinct - r.n for tag, r in trainer.evals.items() if tag != "during" and r.n != distinct}
+    if unfinished:
+        record["eval_unfinished"] = unfinished
     results.parent.mkdir(parents=True, exist_ok=True)
     if base_only:
         with open(base_path(results), "a") as f:
             f.write(json.dumps(record) + "\n")
         return record
     after = trainer.evals["after"]
-    if before.outcomes is None or after.outcomes is None or len(before.outcomes) != len(after.outcomes):
-        raise RuntimeError("the before/after evaluations do not have one outcome per held-out task")
+    if before.outcomes is None or after.outcomes is None or unfinished:
+        raise RuntimeError(f"the before/after evaluations do not have one outcome per held-out task "
+                           f"(unfinished episodes: {unfinished}); they cannot be paired")
     b, c = paired_counts(before.outcomes, after.outcomes)
     sft_side = trainer.evals.get("after_sft")
     if sft_side is not None and sft_side.outcomes is not None:  # the RL gain: after the warm start -> after
