@@ -3,7 +3,9 @@
 A cell is one (task, recipe, seed): one run of trajgrad's own
 :class:`~trajgrad.train.trainer.Trainer` (its evaluator, its loop) on the embedded
 SmolLM2-135M-Instruct + LoRA, from the ``default`` preset with the task and recipe
-swapped in. Each cell appends one JSON line to ``bench/results/learning.jsonl``:
+swapped in (``kb_agent`` and ``openai_agent`` start from their example's YAML instead, the
+latter's agent written against the OpenAI SDK and run through trajgrad's recording proxy,
+which the trainer's evaluator also runs it through). Each cell appends one JSON line to ``bench/results/learning.jsonl``:
 
 * held-out greedy success before and after training on the same held-out tasks (at least
   64 distinct ones; counts and 95% Wilson intervals) and McNemar's exact test on the paired
