@@ -107,11 +107,12 @@ TASK_CHANGES: Dict[str, str] = {
              "number you're looking for?\") on every turn. Changed once: a whole example game as chat turns "
              "before the first message instead (`{\"example\": false, \"example_turns\": true}`), which measured 5/64 "
              "= 7.8%, inside the band."),
-    "openai_agent": ("first measured with the agent's worked exchange asking for 2 plums at 2 dollars: 3/64, below the 5% "
-                     "floor; greedy SmolLM2 never called lookup_price: 45 of 64 episodes began with multiply, mostly the "
-                     "count times itself (9 apples: `multiply(9, 9)` → 81), the other 19 answered in prose; the 3 successes "
-                     "are the questions whose count equals the price (one lime, 9 melons, 8 pears). Changed once: the "
-                     "worked exchange asks for 3 plums (count and price differ), which measured 3/64 again: 48 of 64 began "
+    "openai_agent": ("first measured (commit e768fd6) with the agent's worked exchange asking for 2 plums at 2 dollars: "
+                     "3/64, below the 5% floor; greedy SmolLM2 never called lookup_price: 45 of 64 episodes began with "
+                     "multiply, e.g. the count times itself (9 apples: `multiply(9, 9)` → 81), the other 19 answered in "
+                     "prose; the 3 successes "
+                     "are the questions whose count equals the price (one lime, 9 melons, 8 pears). Changed once (ac3002d, "
+                     "`agent.py`): the worked exchange asks for 3 plums (count and price differ), which measured 3/64 again: 48 of 64 began "
                      "with multiply (33 the count times itself, others copying the example's 2: `multiply(3, 2)` for 3 "
                      "kiwis), still no lookup_price, the same 3 successes. It stays below the band (one task short of "
                      "4/64) and is not changed again (the issue allows one change)."),
