@@ -131,13 +131,11 @@ TASK_NOTES: Dict[str, str] = {
              "(zero-variance groups of any return 11.1% and 22.7%, mostly all solved). After 30 steps seed 1 answered with the result in 67 "
              "of 120 right calls (seed 0: 93 of 121, seed 2: 108 of 121), still rising. The warm start reproduces the earlier record "
              "(after SFT 8.6%, 10.9%, 5.5% on seeds 0, 1, 2 both times)."),
+    "kb_agent": ("the base rate's 8 successes are all country questions answered from the model's own knowledge: "
+                 "greedy SmolLM2 called no tool in any of the 64 held-out episodes (one turn each, e.g. \"The answer is: "
+                 "Germany\"), and knew 8 of the 18 held-out countries; no length or height was right. The reward does not "
+                 "ask for a tool call, so a country question can be solved without one."),
 }
-
-TASK_NOTES["kb_agent"] = (
-    "the base rate's 8 successes are all country questions answered from the model's own knowledge: greedy SmolLM2 "
-    "called no tool in any of the 64 held-out episodes (one turn each, e.g. \"The answer is: Germany\"), and knew 8 of "
-    "the 18 held-out countries; no length or height was right. The reward does not ask for a tool call, so a "
-    "country question can be solved without one.")
 
 # Recipes: "default" keeps the task's own recipe (GRPO for every task above).
 RECIPES: Dict[str, Dict[str, Any]] = {
