@@ -43,6 +43,55 @@ KB = {
     "Volga": {"kind": "river", "length_km": 3530, "country": "Russia"},
     "Mekong": {"kind": "river", "length_km": 4909, "country": "China"},
     "Tiber": {"kind": "river", "length_km": 406, "country": "Italy"},
+    # 48 more (``entities: 64``): questions about 64 entities give a held-out split of 64 or more
+    "Everest": {"kind": "mountain", "height_m": 8849, "country": "Nepal"},
+    "K2": {"kind": "mountain", "height_m": 8611, "country": "Pakistan"},
+    "Kangchenjunga": {"kind": "mountain", "height_m": 8586, "country": "Nepal"},
+    "Nanga Parbat": {"kind": "mountain", "height_m": 8126, "country": "Pakistan"},
+    "Mount Kenya": {"kind": "mountain", "height_m": 5199, "country": "Kenya"},
+    "Aoraki": {"kind": "mountain", "height_m": 3724, "country": "New Zealand"},
+    "Kosciuszko": {"kind": "mountain", "height_m": 2228, "country": "Australia"},
+    "Etna": {"kind": "mountain", "height_m": 3357, "country": "Italy"},
+    "Vesuvius": {"kind": "mountain", "height_m": 1281, "country": "Italy"},
+    "Zugspitze": {"kind": "mountain", "height_m": 2962, "country": "Germany"},
+    "Grossglockner": {"kind": "mountain", "height_m": 3798, "country": "Austria"},
+    "Mulhacen": {"kind": "mountain", "height_m": 3479, "country": "Spain"},
+    "Teide": {"kind": "mountain", "height_m": 3715, "country": "Spain"},
+    "Ben Nevis": {"kind": "mountain", "height_m": 1345, "country": "Scotland"},
+    "Snowdon": {"kind": "mountain", "height_m": 1085, "country": "Wales"},
+    "Rainier": {"kind": "mountain", "height_m": 4392, "country": "USA"},
+    "Whitney": {"kind": "mountain", "height_m": 4421, "country": "USA"},
+    "Logan": {"kind": "mountain", "height_m": 5959, "country": "Canada"},
+    "Chimborazo": {"kind": "mountain", "height_m": 6263, "country": "Ecuador"},
+    "Huascaran": {"kind": "mountain", "height_m": 6768, "country": "Peru"},
+    "Ararat": {"kind": "mountain", "height_m": 5137, "country": "Turkey"},
+    "Damavand": {"kind": "mountain", "height_m": 5610, "country": "Iran"},
+    "Toubkal": {"kind": "mountain", "height_m": 4167, "country": "Morocco"},
+    "Kinabalu": {"kind": "mountain", "height_m": 4095, "country": "Malaysia"},
+    "Amazon": {"kind": "river", "length_km": 6400, "country": "Brazil"},
+    "Yangtze": {"kind": "river", "length_km": 6300, "country": "China"},
+    "Mississippi": {"kind": "river", "length_km": 3730, "country": "USA"},
+    "Yenisei": {"kind": "river", "length_km": 3487, "country": "Russia"},
+    "Ob": {"kind": "river", "length_km": 3650, "country": "Russia"},
+    "Lena": {"kind": "river", "length_km": 4400, "country": "Russia"},
+    "Zambezi": {"kind": "river", "length_km": 2574, "country": "Zambia"},
+    "Murray": {"kind": "river", "length_km": 2508, "country": "Australia"},
+    "Ganges": {"kind": "river", "length_km": 2525, "country": "India"},
+    "Indus": {"kind": "river", "length_km": 3180, "country": "Pakistan"},
+    "Euphrates": {"kind": "river", "length_km": 2800, "country": "Iraq"},
+    "Orinoco": {"kind": "river", "length_km": 2140, "country": "Venezuela"},
+    "Parana": {"kind": "river", "length_km": 4880, "country": "Argentina"},
+    "Colorado": {"kind": "river", "length_km": 2330, "country": "USA"},
+    "Mackenzie": {"kind": "river", "length_km": 1738, "country": "Canada"},
+    "Elbe": {"kind": "river", "length_km": 1094, "country": "Germany"},
+    "Vistula": {"kind": "river", "length_km": 1047, "country": "Poland"},
+    "Seine": {"kind": "river", "length_km": 777, "country": "France"},
+    "Rhone": {"kind": "river", "length_km": 813, "country": "France"},
+    "Po": {"kind": "river", "length_km": 652, "country": "Italy"},
+    "Tagus": {"kind": "river", "length_km": 1007, "country": "Spain"},
+    "Dnieper": {"kind": "river", "length_km": 2201, "country": "Ukraine"},
+    "Shannon": {"kind": "river", "length_km": 360, "country": "Ireland"},
+    "Irrawaddy": {"kind": "river", "length_km": 2170, "country": "Myanmar"},
 }
 _TO_BASE = {"m": 1.0, "ft": 0.3048, "km": 1000.0, "mi": 1609.344}
 
@@ -83,17 +132,25 @@ class KBConfig:
       units: ask for converted units too (two-tool questions) besides the stored ones.
       tool_listing: "json" (the tool schemas in the system prompt) or "brief" (one line each).
       heldout_fraction: share of the questions held out (by hash).
+      entities: how many entities of the knowledge base the questions are about, in its order (1 to 64;
+        the first 16 are the example's own; all 64 with ``heldout_fraction: 0.4`` hold out 64 or more
+        distinct questions). The ``lookup`` tool knows all 64 either way.
     """
 
     max_turns: int = 3
     units: bool = True
     tool_listing: str = "json"
     heldout_fraction: float = 0.25
+    entities: int = 16
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.entities, int) and 1 <= self.entities <= len(KB)):
+            raise ValueError(f"task.options.entities: expected an integer from 1 to {len(KB)}, got {self.entities!r}")
 
 
-def _questions(units: bool) -> List[dict]:
+def _questions(units: bool, entities: int = 16) -> List[dict]:
     out = []
-    for name, row in sorted(KB.items()):
+    for name, row in sorted(list(KB.items())[:entities]):
         out.append({"q": f"Which country is {name} in?", "answer": row["country"], "entity": name,
                     "attribute": "country", "convert": None})
         attr, unit, other, word = (("height_m", "m", "ft", "tall") if row["kind"] == "mountain"
@@ -134,7 +191,7 @@ class KBSource:
         self.config = KBConfig(**options)
 
     def tasks(self, split: str, n: int, seed: int) -> List[Task]:
-        pool = [q for q in _questions(self.config.units) if _split(q["q"], self.config.heldout_fraction) == split]
+        pool = [q for q in _questions(self.config.units, self.config.entities) if _split(q["q"], self.config.heldout_fraction) == split]
         rng = random.Random(seed)
         out = []
         for k in range(n):

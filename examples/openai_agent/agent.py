@@ -33,14 +33,16 @@ SYSTEM = (
     "When you know the answer, reply with the number only."
 )
 
-# one worked exchange shown before the question (small models follow an example better than a rule)
+# one worked exchange shown before the question (small models follow an example better than a rule); its
+# count differs from the price, so that it shows which number goes where (with "2 plums" at 2 dollars,
+# SmolLM2-135M multiplied the count by itself)
 EXAMPLE = [
-    {"role": "user", "content": "How much do 2 plums cost?"},
+    {"role": "user", "content": "How much do 3 plums cost?"},
     {"role": "assistant", "content": '<tool_call>{"name": "lookup_price", "arguments": {"item": "plum"}}</tool_call>'},
     {"role": "tool", "content": "2"},
-    {"role": "assistant", "content": '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 2}}</tool_call>'},
-    {"role": "tool", "content": "4"},
-    {"role": "assistant", "content": "4"},
+    {"role": "assistant", "content": '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 2}}</tool_call>'},
+    {"role": "tool", "content": "6"},
+    {"role": "assistant", "content": "6"},
 ]
 
 

@@ -14,7 +14,7 @@ from typing import List
 
 from agent import PRICES
 
-COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # the example's own; ``max_count`` asks for more items at once
 
 
 def _split(question: str, heldout_fraction: float = 0.25) -> str:
@@ -22,11 +22,16 @@ def _split(question: str, heldout_fraction: float = 0.25) -> str:
     return "heldout" if h < heldout_fraction else "train"
 
 
-def questions() -> List[dict]:
+def questions(max_count: int = COUNTS[-1]) -> List[dict]:
+    """One question per item and count from 1 to ``max_count``: the example's own (counts up to 9)
+    first, in their order, then the larger counts (so a larger ``max_count`` keeps the first ones)."""
     out = []
     for item, price in sorted(PRICES.items()):
         out.append({"q": f"How much does one {item} cost?", "answer": price})
         for n in COUNTS[1:]:
+            out.append({"q": f"How much do {n} {item}s cost?", "answer": n * price})
+    for item, price in sorted(PRICES.items()):
+        for n in range(COUNTS[-1] + 1, max_count + 1):
             out.append({"q": f"How much do {n} {item}s cost?", "answer": n * price})
     return out
 
@@ -38,17 +43,25 @@ def score(answer_text: str, task) -> float:
 
 
 class ShopTasks:
-    """A task source: ``tasks(split, n, seed)`` (the agent is the environment: no ``make_env``)."""
+    """A task source: ``tasks(split, n, seed)`` (the agent is the environment: no ``make_env``).
+
+    ``task.options``: ``heldout_fraction`` (share of the questions held out, by hash) and ``max_count``
+    (questions ask for 1 to ``max_count`` items; 9, the example's own, holds out 24 distinct questions;
+    25 holds out 69).
+    """
 
     name = "shop"
 
-    def __init__(self, heldout_fraction: float = 0.25):
+    def __init__(self, heldout_fraction: float = 0.25, max_count: int = COUNTS[-1]):
+        if not (isinstance(max_count, int) and max_count >= COUNTS[-1]):
+            raise ValueError(f"task.options.max_count: expected an integer of at least {COUNTS[-1]}, got {max_count!r}")
         self.heldout_fraction = heldout_fraction
+        self.max_count = max_count
 
     def tasks(self, split: str, n: int, seed: int) -> list:
         from trajgrad.envs.base import Task
 
-        pool = [q for q in questions() if _split(q["q"], self.heldout_fraction) == split]
+        pool = [q for q in questions(self.max_count) if _split(q["q"], self.heldout_fraction) == split]
         if not pool:
             raise ValueError(f"split: no {split!r} questions")
         out = []
