@@ -328,9 +328,9 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
         "load_end": _load(), "run_dir": str(run_dir),
         "command": " ".join(shlex.quote(a) for a in sys.argv) if sys.argv and sys.argv[0] else None,
     }
-    # an evaluation scores the episodes that ended with a reward (the proxy's agent may end none: an
-    # error, a timeout, a rewritten history); those it did not end are counted here, never hidden
-    unfinished = {tag: distinct - r.n for tag, r in trainer.evals.items() if tag != "during" and r.n != distinct}
+    # an episode the proxy's agent did not end with a reward (an error, a timeout, a rewritten history)
+    # is scored by the evaluator as a failure of its task; how many, per evaluation, is recorded
+    unfinished = {tag: r.unfinished for tag, r in trainer.evals.items() if tag != "during" and r.unfinished}
     if unfinished:
         record["eval_unfinished"] = unfinished
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -339,9 +339,9 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
             f.write(json.dumps(record) + "\n")
         return record
     after = trainer.evals["after"]
-    if before.outcomes is None or after.outcomes is None or unfinished:
-        raise RuntimeError(f"the before/after evaluations do not have one outcome per held-out task "
-                           f"(unfinished episodes: {unfinished}); they cannot be paired")
+    if before.outcomes is None or after.outcomes is None:
+        raise RuntimeError("the before/after evaluations do not have one outcome per held-out task; they cannot "
+                           "be paired")
     b, c = paired_counts(before.outcomes, after.outcomes)
     sft_side = trainer.evals.get("after_sft")
     if sft_side is not None and sft_side.outcomes is not None:  # the RL gain: after the warm start -> after

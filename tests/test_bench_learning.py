@@ -215,7 +215,11 @@ def test_held_out_episodes_without_a_reward_are_counted(tmp_path, restore_sys_pa
 
     _, _, held = build_tasks(bench.cell_config("openai_agent", "default", 0), lambda m: None)
     odd = sum(int(t.id.rsplit("-", 1)[1]) % 2 for t in held)
-    assert 0 < odd < 64 and rec["before"]["n"] == 64 - odd and rec["heldout_distinct"] == 64
+    # the unfinished episodes are failures of their tasks: n stays 64, every success is an even task
+    assert 0 < odd < 64 and rec["before"]["n"] == 64 and rec["heldout_distinct"] == 64
     assert rec["eval_unfinished"] == {"before": odd}
+    trainer_evals = [json.loads(x) for x in Path(rec["run_dir"], "metrics.jsonl").read_text().splitlines()
+                     if '"eval_before"' in x]
+    assert trainer_evals and trainer_evals[0]["eval/unfinished"] == odd and trainer_evals[0]["eval/n"] == 64
     with pytest.raises(ValueError, match="--recipe: 'sao' cannot run --task 'openai_agent'"):
         bench.run_cell("openai_agent", "sao", 0, results=tmp_path / "l.jsonl")

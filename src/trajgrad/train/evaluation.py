@@ -27,12 +27,17 @@ class EvalResult:
     # each held-out task's outcome (1 solved, 0 not), in the order of the held-out tasks: the
     # pairs of a paired before/after test (trajgrad.stats.paired_counts); not in to_dict
     outcomes: Optional[Tuple[int, ...]] = None
+    # held-out episodes an external agent did not end with a reward (an agent error, a timeout, a
+    # rewritten history; rollout.backend proxy): counted as failures in n, never left out
+    unfinished: int = 0
 
     def to_dict(self) -> Dict:
         """The fields (``environments`` only for a run with several; not ``outcomes``), for
         summaries and checkpoints."""
         d = dict(self.__dict__)
         del d["outcomes"]
+        if not d["unfinished"]:
+            del d["unfinished"]
         if d["environments"] is None:
             del d["environments"]
         return d
@@ -41,6 +46,8 @@ class EvalResult:
 def format_eval(tag: str, r: EvalResult) -> str:
     text = (f"held-out success {tag}: {r.successes}/{r.n} = {r.success:.1%} (95% CI {r.low:.1%}–{r.high:.1%}), "
             f"mean reward {r.reward:.3f}")
+    if r.unfinished:
+        text += f"; {r.unfinished} of the {r.n} episodes ended without a reward (counted as failures)"
     for name, e in (r.environments or {}).items():
         text += (f"\n  {name}: {e['successes']}/{e['n']} = {e['success']:.1%} (95% CI {e['low']:.1%}–{e['high']:.1%}), "
                  f"mean reward {e['reward']:.3f}")
@@ -48,12 +55,24 @@ def format_eval(tag: str, r: EvalResult) -> str:
 
 
 def _result(trajs) -> EvalResult:
-    succ = sum(1 for t in trajs if t.success)
+    """Success over ``trajs``, one per held-out task in order; ``None`` (an episode that did not
+    finish) is a failure with reward 0, counted in ``unfinished``."""
+    succ = sum(1 for t in trajs if t is not None and t.success)
     n = len(trajs)
     lo, hi = wilson_interval(succ, n)
-    reward = float(np.mean([t.total_reward for t in trajs])) if trajs else 0.0
+    reward = float(np.mean([0.0 if t is None else t.total_reward for t in trajs])) if trajs else 0.0
     return EvalResult(success=succ / max(n, 1), low=lo, high=hi, n=n, successes=succ, reward=reward,
-                      outcomes=tuple(int(bool(t.success)) for t in trajs))
+                      outcomes=tuple(int(t is not None and bool(t.success)) for t in trajs),
+                      unfinished=sum(1 for t in trajs if t is None))
+
+
+def _by_task(tasks, trajs):
+    """The agent's trajectories in the order of ``tasks`` (one each), ``None`` where an episode did not
+    finish; matched by task id (the proxy records ``str(task.id)``)."""
+    left: Dict[str, list] = {}
+    for t in trajs:
+        left.setdefault(str(t.task_id), []).append(t)
+    return [left[str(task.id)].pop(0) if left.get(str(task.id)) else None for task in tasks]
 
 
 @torch.no_grad()
@@ -84,7 +103,9 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     mixture = getattr(trainer, "mixture", None)  # several environments (refused with the proxy's agent)
     server_eval = getattr(trainer.sampler, "evaluate_on", None)
     if agent_eval is not None:  # rollout.backend proxy: the external agent on the held-out tasks
-        trajs = agent_eval(tasks, temperature=cfg.eval.temperature, seed=step_seed(cfg.train.seed, 0, 99))
+        # an episode the agent did not end is a failure of its task (None), never left out
+        trajs = _by_task(tasks, agent_eval(tasks, temperature=cfg.eval.temperature,
+                                           seed=step_seed(cfg.train.seed, 0, 99)))
     elif server_eval is not None:  # rollout.backend vllm: the server samples with the synced weights
         trajs = server_eval(trainer.source, tasks, temperature=cfg.eval.temperature,
                             seed=step_seed(cfg.train.seed, 0, 99))
@@ -102,8 +123,10 @@ def _evaluate(trainer, tag: str) -> EvalResult:
     res = _result(trajs)
     logged = {"eval/success": res.success, "eval/success_low": res.low, "eval/success_high": res.high,
               "eval/reward": res.reward, "eval/n": res.n}
+    if agent_eval is not None:
+        logged["eval/unfinished"] = res.unfinished
     if agent_eval is None and mixture is not None:
-        res.environments = {name: {k: v for k, v in _result(part).__dict__.items() if k not in ("environments", "outcomes")}
+        res.environments = {name: {k: v for k, v in _result(part).__dict__.items() if k not in ("environments", "outcomes", "unfinished")}
                             for name, part in by_env.items()}
         for name, e in res.environments.items():
             logged.update({f"eval/{name}/{k}": e[k] for k in ("success", "reward", "n")})
