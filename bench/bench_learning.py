@@ -75,8 +75,11 @@ TASKS: Dict[str, Dict[str, Any]] = {
     # number guessing with higher/lower feedback, a gymnasium env through the gymnasium adapter
     # (with the example described inside the first message only, `{}`, SmolLM2's base rate was 0/64: it
     # replied in prose without a number)
+    # The default recipe adds a short SFT warm start on binary-search demonstrations (6 steps of 16; greedy
+    # held-out 7.8% -> 10.9% after it) and runs up to 40 GRPO steps (without the warm start, 8 GRPO steps
+    # went 7.8% -> 3.1%: 5 to 7 of the 8 groups of every step scored alike, no signal)
     "game": {"task.name": "higher_lower", "task.options": {"example": False, "example_turns": True},
-             "sampling.max_new_tokens": 16},
+             "sampling.max_new_tokens": 16, "sft.steps": 6, "sft.batch_size": 16, "train.steps": 40},
     # the ``tiny`` preset unchanged (a random tiny model, SFT warm start then GRPO, 128 held-out additions)
     "tiny": {},
     # examples/kb_agent (kb_smollm2.yaml: two tools, SFT warm start then GRPO) on its 64 entities with 40% of
@@ -125,6 +128,12 @@ TASK_CHANGES: Dict[str, str] = {
 
 # What a task's rows show beyond their figures (found in the runs' own records), for the report.
 TASK_NOTES: Dict[str, str] = {
+    "game": ("its first cell (seed 0, GRPO alone, 8 steps) went 5/64 -> 2/64: in the rollouts SmolLM2 counted up "
+             "from the range's start (`11`, `12`, `13`, ...) whatever the reply said, so 5 to 7 of the 8 groups of "
+             "every step scored alike (no policy gradient). The default recipe now starts with a short SFT warm start "
+             "on binary-search demonstrations (6 steps of 16) and runs up to 40 GRPO steps; seed 0 then went "
+             "7.8% -> 10.9% (after the warm start) -> 48.4% (success of the sampled training episodes: 47/296 in the "
+             "first quarter of the run, 95/296 in the last)."),
     "chain": ("untrained, and after a 3-step SFT warm start, greedy SmolLM2 completes no chain; sampled at T=0.7 "
               "after the warm start it looks up, fetches and then fetches again with the fetched value instead of "
               "computing (`<lookup>radish</lookup>`, `<fetch>448</fetch>`, `<fetch>57</fetch>`, ...), and about 1 "
