@@ -128,6 +128,10 @@ TASK_CHANGES: Dict[str, str] = {
 
 # What a task's rows show beyond their figures (found in the runs' own records), for the report.
 TASK_NOTES: Dict[str, str] = {
+    "openai_agent": ("seed 0 went 3/64 -> 4/64 (p = 1.0): the example's YAML trains 4 steps of 4 prompts x 4 samples, "
+                     "and 75% of the groups had equal rewards on steps 1, 2 and 4, 100% on step 3 (every proxy episode "
+                     "finished and was trained, no timeouts or agent errors), so there was almost no policy gradient. "
+                     "Untrained, the agent never calls lookup_price, and the example has no demonstrations for a warm start."),
     "game": ("its first cell (seed 0, GRPO alone, 8 steps) went 5/64 -> 2/64: in the rollouts SmolLM2 counted up "
              "from the range's start (`11`, `12`, `13`, ...) whatever the reply said, so 5 to 7 of the 8 groups of "
              "every step scored alike (no policy gradient). The default recipe now starts with a short SFT warm start "
