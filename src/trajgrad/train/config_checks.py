@@ -29,13 +29,13 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from ..control import LagrangeMultiplier
 from ..logprobs.correction import RolloutCorrection
 from ..envs import available_task_sources, calculator as calc, get_task_source
 from ..envs.base import registered_task_source
 from ..envs.latency import with_latency
 from ..model.pretrained import resolve_model_path
 from ..objective import Objective, RECIPES
+from .constraint_checks import cost_advantages_supplied
 from .mixture_checks import check_mixture
 from ..serve.proxy import check_proxy_config
 from .task_checks import check_demonstrations, check_heldout
@@ -125,36 +125,9 @@ def _check_recipe(cfg, errors: _Errors):
                    "the trainer builds one teacher (teacher.*; recipes opd, gkd); call "
                    "Objective.distill_loss(teachers=[...]) for this term")
         return None
-    if "cost_advantages" in obj.term.inputs and not _cost_advantages_supplied(cfg, obj, where, errors):
+    if "cost_advantages" in obj.term.inputs and not cost_advantages_supplied(cfg, obj, where, errors):
         return None
     return obj
-
-
-def _cost_advantages_supplied(cfg, obj, where: str, errors: _Errors) -> bool:
-    """A term reading cost advantages (§22's Lagrangian) gets the recipe's per-response estimator on the
-    episodes' costs and λ from the ``constraint:`` multiplier, whose budget must be the recipe's."""
-    if not cfg.constraint.enabled:
-        errors.add("constraint.enabled", f"loss {obj.loss!r} takes λ from the cost constraint's multiplier and the "
-                   "cost advantages from info['cost']; set constraint.enabled: true")
-        return False
-    if obj.estimator.level != "sequence":
-        errors.add(where, f"loss {obj.loss!r} needs a per-response advantage estimator (the cost advantages are that "
-                   f"estimator on the per-response costs); {obj.advantage!r} is not")
-        return False
-    if cfg.tasks:
-        errors.add("tasks", f"loss {obj.loss!r} (cost advantages) trains one environment; leave tasks: unset")
-        return False
-    c = cfg.constraint
-    try:
-        start = LagrangeMultiplier(init=c.init, lr=c.lr, budget=c.budget).bind(obj)
-    except ValueError as exc:
-        errors.add("recipe.overrides.lagrangian_budget", _one_line(str(exc).split(": ", 1)[1]))
-        return False
-    if start != obj:  # the recipe's λ is the multiplier's start value, so that explain prints the λ of step 1
-        errors.add("recipe.overrides.lagrangian_lambda", f"{obj.lagrangian_lambda:g} differs from constraint.init = "
-                   f"{c.init:g}, where the trainer's λ starts; give both the same value")
-        return False
-    return True
 
 
 def _check_rollout_correction(value: Dict[str, Any], errors: _Errors) -> bool:
