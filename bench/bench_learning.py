@@ -35,7 +35,9 @@ success vs wall time, one colour per recipe) and the learning section at the end
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -270,10 +272,6 @@ def _timed_trainer(base):
             self.t_start = self.t_last_update = None
             super().__init__(*args, **kwargs)
 
-        def run(self):
-            self.t_start = self.t_last_update = time.perf_counter()
-            return super().run()
-
         def evaluate(self, tag):
             t = time.perf_counter()
             res = super().evaluate(tag)
@@ -294,8 +292,9 @@ def _timed_trainer(base):
             self.tokens += int(stats.get("gen_tokens", 0))
             return trajs, stats
 
-        def train_step(self):
-            metrics = super().train_step()
+        def learn(self, trajs):
+            """One update (called by the synchronous step and by the asynchronous learner alike)."""
+            metrics = super().learn(trajs)
             self.t_last_update = time.perf_counter()
             load = _load()
             if load:
@@ -311,6 +310,17 @@ def _timed_trainer(base):
             return self.t_last_update - self.t_start - self.phase["eval_before_s"]
 
     return Timed
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    """``module.name`` replaced by ``value`` inside the block."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def _side(res) -> Dict[str, Any]:
@@ -329,21 +339,28 @@ def run_cell(task: str, recipe: str, seed: int, *, minutes: Optional[float] = No
     if minutes is not None and not minutes > 0:
         raise ValueError(f"--minutes: expected a positive number, got {minutes}")
     cfg = cell_config(task, recipe, seed, steps=steps, sets=sets, base_only=base_only)
-    base = Trainer
-    if cfg.asynchronous.enabled:
-        from trajgrad.train.asynchronous import AsyncTrainer
-
-        base = AsyncTrainer
     stamp = datetime.datetime.now(datetime.timezone.utc)
     run_dir = Path(run_root) / f"{cfg.name}-{stamp.strftime('%Y%m%d-%H%M%S')}"
     load_start, commit = _load(), _commit()
     t0 = time.perf_counter()
-    trainer = _timed_trainer(base)(cfg, run_dir, console=console, budget_s=None if minutes is None else minutes * 60)
+    timed = functools.partial(_timed_trainer(Trainer), budget_s=None if minutes is None else minutes * 60)
+    if cfg.asynchronous.enabled:  # SAO: the Ray learner drives a Trainer of its own, which is the timed one
+        import trajgrad.train.ray_learner as ray_learner
+        from trajgrad.train.asynchronous import AsyncTrainer
+
+        with _patched(ray_learner, "Trainer", timed):
+            runner = AsyncTrainer(cfg, run_dir, console=console)
+        trainer = runner.trainer
+    else:
+        runner = trainer = timed(cfg, run_dir, console=console)
     setup_s = time.perf_counter() - t0
     distinct = _distinct_heldout(trainer.heldout_tasks)
     if distinct < MIN_HELDOUT:
         raise ValueError(f"task.n_heldout: {distinct} distinct held-out tasks; the benchmark needs at least {MIN_HELDOUT}")
-    trainer.run()
+    trainer.t_start = trainer.t_last_update = time.perf_counter()
+    runner.run()
+    if runner is not trainer:  # the asynchronous workers' sampled tokens (the learner samples none)
+        trainer.tokens = int(runner.counters["tokens_finished"])
     before = trainer.evals["before"]
     record: Dict[str, Any] = {
         "task": task, "recipe": recipe, "seed": int(seed), "commit": commit,

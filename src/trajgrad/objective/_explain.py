@@ -132,6 +132,9 @@ def explain(recipe: "str | Objective", *, skip: Sequence[str] = (), **overrides:
     ``skip``: titles of :func:`sections` left out (printed elsewhere, e.g. per environment)."""
     o = _resolve(recipe, **overrides)
     lines = [f"recipe: {o.name}    ({o.paper})" if o.paper else f"recipe: {o.name}"]
+    changed = _changed_from_named(o)
+    if changed:  # the header's note describes the named recipe; say what this one changes
+        lines.append(f"changed from the named recipe {o.name!r}: " + ", ".join(changed))
     for title, body in sections(o).items():
         if title in skip:
             continue
@@ -145,6 +148,17 @@ def explain(recipe: "str | Objective", *, skip: Sequence[str] = (), **overrides:
         else:
             lines += ["", f"{title}: {body}"]
     return "\n".join(lines)
+
+
+def _changed_from_named(o: Objective) -> List[str]:
+    """``field old → new`` for each field ``o`` reads that differs from the registered recipe of its name."""
+    try:
+        named = get_recipe(o.name)
+    except ValueError:  # not a registered name: nothing to compare with
+        return []
+    fa, fb, read = named.to_dict(), o.to_dict(), set(o.read_fields()) | set(named.read_fields())
+    return [f"{k} {_fmt(fa[k])} → {_fmt(fb[k])}" for k in fb
+            if k not in ("name", "paper") and k in read and fa.get(k) != fb[k]]
 
 
 def _fmt(v: Any) -> str:
