@@ -79,8 +79,8 @@ def tag_tool_template(chat_template: str) -> str:
 def tag_response_template(tool: str = "calc", *, end_of_turn: str = "<|im_end|>",
                           assistant_header: str = "<|im_start|>assistant\n") -> Dict[str, Any]:
     """A transformers ``response_template`` parsing ``<tool>EXPRESSION</tool>`` into a tool call
-    ``tool(expression=EXPRESSION)``: only a complete tag, and only when no complete ``<answer>``
-    tag comes before it (the env's first action decides)."""
+    ``tool(expression=EXPRESSION)``: only the first complete tag, and only when no ``<answer>``
+    tag that a ``</answer>`` closes opens before it (the env's first action decides)."""
     import re
 
     t = re.escape(tool)
@@ -89,7 +89,10 @@ def tag_response_template(tool: str = "calc", *, end_of_turn: str = "<|im_end|>"
         "start_anchor": assistant_header,
         "fields": {
             "tool_calls": {
-                "open_pattern": rf"(?<!<answer>[\s\S]*?</answer>[\s\S]*)<(?P<name>{t})>(?=[\s\S]*?</{t}>)",
+                # the first tag, complete, not after an <answer> that a </answer> closes (before or after it)
+                "open_pattern": rf"(?<!<{t}>[\s\S]*)(?<!<answer>[\s\S]*?</answer>[\s\S]*)"
+                                rf"(?!(?<=<answer>[\s\S]*)[\s\S]*?</answer>)<(?P<name>{t})>"
+                                rf"(?=[\s\S]*?</{t}>)",
                 "close_pattern": rf"</{t}>",
                 "repeats": True,
                 "content": "text",

@@ -190,6 +190,7 @@ class MarkKeeper:
         self.out_dir, self.side, self.seed = Path(out_dir), side, int(seed)
         self.prev = (0, 0.0, lora_state(model))
         self.saved: Dict[float, Dict[str, Any]] = {}
+        self.ends: List[float] = []  # training seconds at the end of each step
         self.paused = 0.0
         self.t0: Optional[float] = None
 
@@ -209,6 +210,7 @@ class MarkKeeper:
     def step_done(self, model, step: int) -> bool:
         el = self.elapsed()
         t = time.perf_counter()
+        self.ends.append(round(el, 1))
         for m in self.marks:
             if m not in self.saved and el > 60 * m:
                 self._save(m, *self.prev)
@@ -244,7 +246,8 @@ def run_trajgrad(cfg, marks, out_dir: Path) -> Dict[str, Any]:
     tr = Marked(cfg, run_dir, console=lambda *a: None)
     tr.keeper = MarkKeeper(marks, out_dir, "trajgrad", cfg.train.seed, tr.model)
     tr.run()
-    return {"checkpoints": list(tr.keeper.saved.values()), "steps_run": tr.keeper.prev[0], "run_dir": str(run_dir)}
+    return {"checkpoints": list(tr.keeper.saved.values()), "steps_run": tr.keeper.prev[0],
+            "step_ends_s": tr.keeper.ends, "run_dir": str(run_dir)}
 
 
 def trl_args(cfg, output_dir: str):
@@ -325,7 +328,8 @@ def run_trl(cfg, marks, out_dir: Path, loop: str = "env") -> Dict[str, Any]:
                           callbacks=[Marks()])
     trainer.train()
     k = keeper_box["k"]
-    return {"checkpoints": list(k.saved.values()), "steps_run": k.prev[0], "protocol": dict(episode.counts)}
+    return {"checkpoints": list(k.saved.values()), "steps_run": k.prev[0], "step_ends_s": k.ends,
+            "protocol": dict(episode.counts)}
 
 
 def run_eval(cfg, paths: Sequence[str], base: bool) -> List[Dict[str, Any]]:
@@ -416,7 +420,8 @@ def run_all(a) -> List[Dict[str, Any]]:
                 e = evals[c["path"]]
                 rec = {**meta, "side": side, "seed": seed, "mark_min": c["mark_min"], "steps": c["steps"],
                        "train_s": c["train_s"], "heldout": _side(e["successes"], e["n"]), "reward": e["reward"],
-                       "eval_s": e["eval_s"], "load": trained[side]["load"], "finished_utc": stamp}
+                       "eval_s": e["eval_s"], "load": trained[side]["load"], "finished_utc": stamp,
+                       "step_ends_s": trained[side]["step_ends_s"]}
                 if "protocol" in trained[side]:
                     rec["trl_protocol"] = trained[side]["protocol"]
                 rows.append(rec)
