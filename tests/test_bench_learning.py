@@ -42,6 +42,9 @@ def test_every_cell_of_the_matrix_is_a_valid_config(restore_sys_path):
             if task not in bench.TASK_CONFIGS:  # a preset's cell: the preset with the cell's overrides
                 assert cfg == load_config(preset=preset, overrides=bench.cell_overrides(task, recipe, 2))
     assert set(bench.REFUSED) == {("openai_agent", "sao")}
+    # the example's own recipe changes (kb_agent's KL term) belong to its default recipe; another recipe replaces them
+    assert bench.cell_config("kb_agent", "default", 0).recipe.overrides == {"kl_coef": 0.04, "kl_placement": "loss"}
+    assert not bench.cell_config("kb_agent", "grpo", 0).recipe.overrides
     with pytest.raises(ValueError, match="--task"):
         bench.cell_overrides("nope", "default", 0)
     with pytest.raises(ValueError, match="--recipe"):
