@@ -73,7 +73,7 @@ $(PEERS)/.installed: $(STAMP) Makefile
 	touch $@
 
 peers: $(PEERS)/.installed
-	$(PEERS)/bin/python -m pytest -q tests/test_peers.py
+	$(PEERS)/bin/python -m pytest -q tests/test_peers.py tests/test_bench_trl_tta.py
 	$(PEERS)/bin/python -m trajgrad verify --peer trl --out conformance
 	$(PEERS)/bin/python -m trajgrad verify --peer verl --out conformance
 
