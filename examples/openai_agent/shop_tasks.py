@@ -9,10 +9,11 @@ held-out by a hash of the question); the agent answers them through the proxy, a
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import List
 
-from agent import PRICES
+from agent import EXAMPLE, PRICES, SYSTEM, TOOLS
 
 COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # the example's own; ``max_count`` asks for more items at once
 
@@ -34,6 +35,18 @@ def questions(max_count: int = COUNTS[-1]) -> List[dict]:
         for n in range(COUNTS[-1] + 1, max_count + 1):
             out.append({"q": f"How much do {n} {item}s cost?", "answer": n * price})
     return out
+
+
+def _item_and_count(question: str):
+    m = re.fullmatch(r"How much (?:does one|do (\d+)) (\w+?)s? cost\?", question)
+    if m is None or m.group(2) not in PRICES:
+        raise ValueError(f"demonstration: not a question of the shop: {question!r}")
+    return m.group(2), int(m.group(1) or 1)
+
+
+def _call(i: int, name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
 def score(answer_text: str, task) -> float:
@@ -70,6 +83,21 @@ class ShopTasks:
             out.append(Task(id=f"shop-{split}-{(i + seed) % len(pool):03d}", split=split, prompt=q["q"],
                             answer=q["answer"]))
         return out
+
+    def first_request(self, task) -> dict:
+        """The agent's first chat request for ``task`` (what ``agent.run_agent`` sends)."""
+        return {"messages": [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task.prompt}],
+                "tools": TOOLS}
+
+    def demonstration(self, task) -> list:
+        """The correct exchange, as the worked example shows it: lookup_price(item), multiply(count, price),
+        then the number alone."""
+        item, count = _item_and_count(task.prompt)
+        price = PRICES[item]
+        return [_call(0, "lookup_price", {"item": item}), {"role": "tool", "tool_call_id": "call_0", "content": str(price)},
+                _call(1, "multiply", {"a": count, "b": price}),
+                {"role": "tool", "tool_call_id": "call_1", "content": str(count * price)},
+                {"role": "assistant", "content": str(count * price)}]
 
     def make_env(self, **kwargs):
         raise NotImplementedError("the shop agent runs outside trajgrad (rollout.backend: proxy)")

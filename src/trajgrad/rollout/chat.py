@@ -57,6 +57,7 @@ __all__ = [
     "end_of_turn_id",
     "tool_schemas_of",
     "demonstration_trajectory",
+    "exchange_trajectory",
 ]
 
 IM_START = "<|im_start|>"
@@ -336,12 +337,25 @@ def demonstration_trajectory(tokenizer, source, task, *, env=None):
             return demonstration_trajectory(tokenizer, source, task, env=env)
         finally:
             getattr(env, "close", lambda: None)()
-    messages = list(env.reset(task))
-    demo = _check_messages("demonstration", source.demonstration(task), allow_empty=False)
+    return exchange_trajectory(tokenizer, list(env.reset(task)), source.demonstration(task), task,
+                               tools=tool_schemas_of(env, source), env_name=getattr(env, "name", ""))
+
+
+def exchange_trajectory(tokenizer, messages: Sequence[Dict[str, str]], demo: Sequence[Dict[str, str]], task, *,
+                        tools=None, env_name: str = ""):
+    """The :class:`~trajgrad.rollout.trajectory.Trajectory` of the exchange ``demo`` after the conversation
+    ``messages`` (rendered with ``tools``), as :func:`demonstration_trajectory` describes it.
+
+    ``demo`` starts with an assistant message; each assistant message is an action (its content tokens
+    + the end-of-turn token), the messages up to the next one its observation
+    (:meth:`ChatSession.observe`). Both lists hold ``{"role", "content"}`` messages as the template
+    renders them.
+    """
+    demo = _check_messages("demonstration", demo, allow_empty=False)
     if demo[0]["role"] != "assistant":
         raise ValueError(f"demonstration: must start with an assistant message, got role {demo[0]['role']!r}")
     eos = end_of_turn_id(tokenizer)
-    session = ChatSession(tokenizer, messages, tools=tool_schemas_of(env, source))
+    session = ChatSession(tokenizer, messages, tools=tools)
     turns = []
     i = 0
     while i < len(demo):
@@ -361,5 +375,5 @@ def demonstration_trajectory(tokenizer, source, task, *, env=None):
     return Trajectory(
         task_id=task.id, episode_id=f"{task.id}#demo", split=getattr(task, "split", "train"),
         prompt_ids=session.prompt_ids, turns=turns, terminated=True, success=True,
-        sampling={"demonstration": True}, metadata={"demonstration": True, "env": getattr(env, "name", "")},
+        sampling={"demonstration": True}, metadata={"demonstration": True, "env": env_name},
     )

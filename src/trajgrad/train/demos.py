@@ -5,6 +5,9 @@ A demonstration is a token-exact trajectory built by
 conversation, each assistant message as action tokens, each following tool result as
 observation tokens). Its tokens were not sampled by any policy (policy version -1, behaviour
 log-prob placeholders), so it feeds likelihood terms only (SFT, DPO), never a ratio.
+With ``proxy`` (``rollout.backend: proxy``: the agent is the environment) it is
+:func:`trajgrad.serve.demonstrations.proxy_demonstration` instead: the agent's first request
+(``source.first_request(task)``) and the exchange, rendered as the recording proxy renders them.
 """
 from __future__ import annotations
 
@@ -12,16 +15,23 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..rollout import RolloutBatch, Trajectory, collate
 from ..rollout.chat import demonstration_trajectory
+from ..serve.demonstrations import proxy_demonstration
 
 Pair = Tuple[Trajectory, Trajectory]
 
 
-def demo_batch(tokenizer, source, tasks: Sequence, pad_id: int) -> RolloutBatch:
+def demonstration(tokenizer, source, task, *, proxy: bool = False) -> Trajectory:
+    """The demonstration of ``task``: from its environment, or (``proxy``) from its agent's first request."""
+    return proxy_demonstration(tokenizer, source, task) if proxy else demonstration_trajectory(tokenizer, source, task)
+
+
+def demo_batch(tokenizer, source, tasks: Sequence, pad_id: int, *, proxy: bool = False) -> RolloutBatch:
     """The collated demonstrations of ``tasks``."""
-    return collate([demonstration_trajectory(tokenizer, source, t) for t in tasks], pad_id)
+    return collate([demonstration(tokenizer, source, t, proxy=proxy) for t in tasks], pad_id)
 
 
-def build_dpo_pairs(tokenizer, source, tasks: Sequence, samples: Sequence[Trajectory]) -> List[Pair]:
+def build_dpo_pairs(tokenizer, source, tasks: Sequence, samples: Sequence[Trajectory], *,
+                    proxy: bool = False) -> List[Pair]:
     """Offline pairs: a task's demonstration (chosen) against its first failed sample (rejected).
 
     Tasks without a failed sample give no pair; raises if no task does.
@@ -33,7 +43,7 @@ def build_dpo_pairs(tokenizer, source, tasks: Sequence, samples: Sequence[Trajec
     for task in tasks:
         failed = [t for t in by_task.get(task.id, []) if not t.success]
         if failed:
-            pairs.append((demonstration_trajectory(tokenizer, source, task), failed[0]))
+            pairs.append((demonstration(tokenizer, source, task, proxy=proxy), failed[0]))
     if not pairs:
         raise ValueError("dpo.pairs: the initial policy solved every task; no rejected responses to pair with")
     return pairs

@@ -3,7 +3,9 @@
 * Demonstrations: the SFT warm start (``sft.steps > 0``) and DPO's offline pairs call
   ``source.demonstration(task)``; a source without demonstrations (a gymnasium
   environment, a dataset without an answer column) is refused here, before any model is
-  built or evaluated and before a run directory exists.
+  built or evaluated and before a run directory exists. With ``rollout.backend: proxy`` the
+  source must also give the agent's first request (``first_request(task)``,
+  :mod:`trajgrad.serve.demonstrations`), which the demonstration continues.
 * Held-out tasks: more asked for than are distinct (:mod:`trajgrad.train.heldout`) is
   refused under ``eval.distinct: refuse``.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
+from ..serve.demonstrations import first_request
 from .heldout import distinct_tasks, heldout_key, heldout_problem
 
 __all__ = ["check_demonstrations", "check_heldout"]
@@ -34,6 +37,8 @@ def check_demonstrations(cfg, source: Any) -> List[Tuple[str, str]]:
     try:
         if tasks:
             source.demonstration(tasks[0])
+            if cfg.rollout.backend == "proxy":
+                first_request(source, tasks[0])
     except ValueError as exc:
         msg = str(exc).split(": ", 1)[-1] if str(exc).startswith(("sft.steps:", "demonstration:")) else str(exc)
         return [(key, f"{why}; task {cfg.task.name!r}: {msg}")]

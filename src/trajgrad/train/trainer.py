@@ -403,7 +403,8 @@ class Trainer:
         for s in range(start, steps):
             tasks = [self.train_tasks[rng.randrange(len(self.train_tasks))] for _ in range(batch_size)]
             mine = dist_lib.shard(tasks, self.rank, self.world)
-            batch = demo_batch(self.tokenizer, self.source, mine, self.pad_id) if mine else None
+            batch = demo_batch(self.tokenizer, self.source, mine, self.pad_id,
+                               proxy=self.cfg.rollout.backend == "proxy") if mine else None
             total = offline.sft_update(self.learner, model, opt, batch)
             losses.append(total)
             if progress is not None:
@@ -423,7 +424,8 @@ class Trainer:
             seed_everything(step_seed(cfg.train.seed, 0, salt=7))
             with fsdp.gathered(self.model):
                 samples = self.sampler.rollout(self.source, tasks, group_size=2, seed=step_seed(cfg.train.seed, 0, 7))
-            self.dpo_pairs = build_dpo_pairs(self.tokenizer, self.source, tasks, samples)
+            self.dpo_pairs = build_dpo_pairs(self.tokenizer, self.source, tasks, samples,
+                                             proxy=cfg.rollout.backend == "proxy")
         pairs = pairs_for_step(self.dpo_pairs, self.cursor, self.cfg.train.prompts_per_step)
         mine = dist_lib.shard(pairs, self.rank, self.world)
         self.cursor += 1
