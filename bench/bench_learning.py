@@ -142,7 +142,9 @@ TASK_NOTES: Dict[str, str] = {
                      "until the agent's 4 turns ran out; sampled at T=0.8, 0/16 train questions answered), 6/16 after "
                      "4 steps and one step of a fresh optimizer (the others answered the price alone), and 16/16 after "
                      "3 steps and 3 of a fresh optimizer; after the 6 steps 9/16 (8 of 16 train questions solved sampled "
-                     "at T=0.8), so it is kept short for GRPO to teach the last turn."),
+                     "at T=0.8), so it is kept short for GRPO to teach the last turn. On the benchmark's 64 held-out "
+                     "questions (up to 25 items) the three seeds went 3 -> 45 -> 63, 3 -> 51 -> 63 and 3 -> 51 -> 63 "
+                     "(base -> after SFT -> after GRPO; GRPO's own gain p = 7.6e-6, 4.9e-4, 4.9e-4, no task worsened)."),
     "game": ("its first cell (seed 0, GRPO alone, 8 steps) went 5/64 -> 2/64: in the rollouts SmolLM2 counted up "
              "from the range's start (`11`, `12`, `13`, ...) whatever the reply said, so 5 to 7 of the 8 groups of "
              "every step scored alike (no policy gradient). The default recipe now starts with a short SFT warm start "
