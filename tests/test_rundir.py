@@ -78,10 +78,10 @@ _CHILD = textwrap.dedent(
         from trajgrad.train.trainer import Trainer
         orig_demo, orig_eval = T.demo_batch, Trainer.evaluate
 
-        def demo(*args):
+        def demo(*args, **kwargs):
             if mode == "sft" and hit():
                 die()
-            return orig_demo(*args)
+            return orig_demo(*args, **kwargs)
 
         def evaluate(self, tag):
             if mode == "eval_after" and tag == "after":
