@@ -446,8 +446,14 @@ def table(records: List[Dict[str, Any]]) -> str:
     sides = [x for x in SIDES if any(k[0] == x for k in by)]
     lines = ["| minutes | seed | " + " | ".join(f"{TITLES[x]}: held-out (95% CI) | steps | train s" for x in sides) + " |",
              "| ---: | ---: | " + " | ".join("---: | ---: | ---:" for _ in sides) + " |"]
-    for b in base:
-        lines.append("| 0 | all | " + " | ".join(f"untrained: {_pct(b['heldout'])} | 0 | 0" for _ in sides) + " |")
+    # the untrained weights are the same for every seed and run (greedy evaluation): one row per distinct
+    # result, with how many evaluations gave it, rather than the same figure repeated
+    outcomes = list(dict.fromkeys((b["heldout"]["successes"], b["heldout"]["n"]) for b in base))
+    for k, n in outcomes:
+        same = [b for b in base if (b["heldout"]["successes"], b["heldout"]["n"]) == (k, n)]
+        times = f" (evaluated {len(same)} times, once per run)" if len(same) > 1 else ""
+        lines.append("| 0 | all | " + " | ".join(f"untrained{times}: {_pct(same[0]['heldout'])} | 0 | 0"
+                                                 for _ in sides) + " |")
     for m in marks:
         for s in seeds:
             cells = []
@@ -475,8 +481,9 @@ def report_markdown(records: List[Dict[str, Any]]) -> str:
              "exact training seconds listed). Model loading and evaluation are not training time.", ""]
     lines += [f"Command: `{c}`" for c in cmds] + [""]
     if first:
+        commits = ", ".join(dict.fromkeys(r["commit"] for r in records))
         lines += [f"trl {first['trl']}, torch {first['torch']}, dtype {first['dtype']}, {first['threads']} threads, "
-                  f"commit {first['commit']}; the sides ran one after the other on a shared 2-core machine.", ""]
+                  f"commit {commits}; the sides ran one after the other on a shared 2-core machine.", ""]
     present = [x for x in SIDES if any(r["side"] == x for r in records)]
     lines += [table(records), "", "Not matched between the sides:", ""] + [f"- {u}" for u in UNMATCHED] + [
         f"- {LOOP_NOTES[x]}" for x in present if x in LOOP_NOTES] + [""]

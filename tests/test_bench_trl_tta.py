@@ -220,3 +220,15 @@ def test_table_and_report_section(tmp_path):
     assert body.count(bench.SECTION) == 1 and body.index("## A") < body.index(bench.SECTION) < body.index(
         "## Learning benchmark")
     assert "Not matched" in body and "advantage std" in body and body.rstrip().endswith("rows")
+
+
+def test_untrained_repeats_are_one_row():
+    """The untrained weights are evaluated once per run; the same result is not shown as several rows."""
+    recs = [_rec("untrained", 0.0, 0, 0), _rec("untrained", 0.0, 1, 0), _rec("trl", 2.0, 0, 4),
+            _rec("trajgrad", 2.0, 0, 40)]
+    recs[1]["commit"] = "def"
+    text = bench.table(recs)
+    assert text.count("untrained") == 2 and "evaluated 2 times" in text  # one row, both sides' columns
+    recs.append(_rec("untrained", 0.0, 2, 1))  # a different result keeps its own row
+    assert bench.table(recs).count("| 0 | all |") == 2
+    assert "commit abc, def;" in bench.report_markdown(recs)
